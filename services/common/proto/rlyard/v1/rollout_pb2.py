@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlyard/v1/rollout.proto\x12\trlyard.v1\"/\n\x0fStartRunRequest\x12\x0e\n\x06\x63onfig\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x18\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xba\x02\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.rlyard.v1.RunState\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x13\n\x0btotal_steps\x18\x05 \x01(\r\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x12\n\nstarted_at\x18\x08 \x01(\x01\x12\x10\n\x08\x65nded_at\x18\t \x01(\x01\x12\x39\n\x0clast_metrics\x18\n \x03(\x0b\x32#.rlyard.v1.RunInfo.LastMetricsEntry\x12\x0f\n\x07run_dir\x18\x0b \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x0fListRunsRequest\x12#\n\x06states\x18\x01 \x03(\x0e\x32\x13.rlyard.v1.RunState\"4\n\x10ListRunsResponse\x12 \n\x04runs\x18\x01 \x03(\x0b\x32\x12.rlyard.v1.RunInfo\"\x81\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x34\n\x07metrics\x18\x02 \x03(\x0b\x32#.rlyard.v1.StepMetrics.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x97\x01\n\x08RunEvent\x12&\n\x04step\x18\x01 \x01(\x0b\x32\x16.rlyard.v1.StepMetricsH\x00\x12&\n\x04\x65val\x18\x02 \x01(\x0b\x32\x16.rlyard.v1.StepMetricsH\x00\x12#\n\x05state\x18\x03 \x01(\x0b\x32\x12.rlyard.v1.RunInfoH\x00\x12\r\n\x03log\x18\x04 \x01(\tH\x00\x42\x07\n\x05\x65vent*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x32\xa3\x02\n\x07Rollout\x12:\n\x08StartRun\x12\x1a.rlyard.v1.StartRunRequest\x1a\x12.rlyard.v1.RunInfo\x12/\n\x06GetRun\x12\x11.rlyard.v1.RunRef\x1a\x12.rlyard.v1.RunInfo\x12\x43\n\x08ListRuns\x12\x1a.rlyard.v1.ListRunsRequest\x1a\x1b.rlyard.v1.ListRunsResponse\x12\x30\n\x07StopRun\x12\x11.rlyard.v1.RunRef\x1a\x12.rlyard.v1.RunInfo\x12\x34\n\x08WatchRun\x12\x11.rlyard.v1.RunRef\x1a\x13.rlyard.v1.RunEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlyard/v1/rollout.proto\x12\trlyard.v1\"/\n\x0fStartRunRequest\x12\x0e\n\x06\x63onfig\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x18\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xba\x02\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.rlyard.v1.RunState\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x13\n\x0btotal_steps\x18\x05 \x01(\r\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x12\n\nstarted_at\x18\x08 \x01(\x01\x12\x10\n\x08\x65nded_at\x18\t \x01(\x01\x12\x39\n\x0clast_metrics\x18\n \x03(\x0b\x32#.rlyard.v1.RunInfo.LastMetricsEntry\x12\x0f\n\x07run_dir\x18\x0b \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\x0fListRunsRequest\x12#\n\x06states\x18\x01 \x03(\x0e\x32\x13.rlyard.v1.RunState\"4\n\x10ListRunsResponse\x12 \n\x04runs\x18\x01 \x03(\x0b\x32\x12.rlyard.v1.RunInfo\"\x81\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x34\n\x07metrics\x18\x02 \x03(\x0b\x32#.rlyard.v1.StepMetrics.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc4\x01\n\x08RunEvent\x12&\n\x04step\x18\x01 \x01(\x0b\x32\x16.rlyard.v1.StepMetricsH\x00\x12&\n\x04\x65val\x18\x02 \x01(\x0b\x32\x16.rlyard.v1.StepMetricsH\x00\x12#\n\x05state\x18\x03 \x01(\x0b\x32\x12.rlyard.v1.RunInfoH\x00\x12\r\n\x03log\x18\x04 \x01(\tH\x00\x12+\n\x08progress\x18\x05 \x01(\x0b\x32\x17.rlyard.v1.StepProgressH\x00\x42\x07\n\x05\x65vent\"X\n\x0cStepProgress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0c\n\x04\x64one\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\r*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_PENDING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x17\n\x13RUN_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x32\xa3\x02\n\x07Rollout\x12:\n\x08StartRun\x12\x1a.rlyard.v1.StartRunRequest\x1a\x12.rlyard.v1.RunInfo\x12/\n\x06GetRun\x12\x11.rlyard.v1.RunRef\x1a\x12.rlyard.v1.RunInfo\x12\x43\n\x08ListRuns\x12\x1a.rlyard.v1.ListRunsRequest\x1a\x1b.rlyard.v1.ListRunsResponse\x12\x30\n\x07StopRun\x12\x11.rlyard.v1.RunRef\x1a\x12.rlyard.v1.RunInfo\x12\x34\n\x08WatchRun\x12\x11.rlyard.v1.RunRef\x1a\x13.rlyard.v1.RunEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNINFO_LASTMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_STEPMETRICS_METRICSENTRY']._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=827
-  _globals['_RUNSTATE']._serialized_end=980
+  _globals['_RUNSTATE']._serialized_start=962
+  _globals['_RUNSTATE']._serialized_end=1115
   _globals['_STARTRUNREQUEST']._serialized_start=38
   _globals['_STARTRUNREQUEST']._serialized_end=85
   _globals['_RUNREF']._serialized_start=87
@@ -54,7 +54,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=624
   _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=670
   _globals['_RUNEVENT']._serialized_start=673
-  _globals['_RUNEVENT']._serialized_end=824
-  _globals['_ROLLOUT']._serialized_start=983
-  _globals['_ROLLOUT']._serialized_end=1274
+  _globals['_RUNEVENT']._serialized_end=869
+  _globals['_STEPPROGRESS']._serialized_start=871
+  _globals['_STEPPROGRESS']._serialized_end=959
+  _globals['_ROLLOUT']._serialized_start=1118
+  _globals['_ROLLOUT']._serialized_end=1409
 # @@protoc_insertion_point(module_scope)

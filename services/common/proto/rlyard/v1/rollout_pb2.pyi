@@ -97,13 +97,29 @@ class StepMetrics(_message.Message):
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RunEvent(_message.Message):
-    __slots__ = ("step", "eval", "state", "log")
+    __slots__ = ("step", "eval", "state", "log", "progress")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOG_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     step: StepMetrics
     eval: StepMetrics
     state: RunInfo
     log: str
-    def __init__(self, step: _Optional[_Union[StepMetrics, _Mapping]] = ..., eval: _Optional[_Union[StepMetrics, _Mapping]] = ..., state: _Optional[_Union[RunInfo, _Mapping]] = ..., log: _Optional[str] = ...) -> None: ...
+    progress: StepProgress
+    def __init__(self, step: _Optional[_Union[StepMetrics, _Mapping]] = ..., eval: _Optional[_Union[StepMetrics, _Mapping]] = ..., state: _Optional[_Union[RunInfo, _Mapping]] = ..., log: _Optional[str] = ..., progress: _Optional[_Union[StepProgress, _Mapping]] = ...) -> None: ...
+
+class StepProgress(_message.Message):
+    __slots__ = ("step", "phase", "done", "total", "failed")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    phase: str
+    done: int
+    total: int
+    failed: int
+    def __init__(self, step: _Optional[int] = ..., phase: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
