@@ -1,0 +1,42 @@
+"""The launcher turns a config's `services:` section into start commands and endpoints."""
+import pathlib
+
+import pytest
+import yaml
+
+from services.launch.stack import plan
+from services.launch.watch import format_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_plan_defaults_and_overrides():
+    specs, ep = plan({"model": "m", "engine": {"port": 31000, "device": "cpu", "dtype": "float32"},
+                      "trainer": {"device": "cpu", "args": ["--lr", "1e-5"]}})
+    names = [s.name for s in specs]
+    assert names == ["sandbox", "engine", "trainer", "rollout"]
+    engine = specs[1]
+    assert engine.args[:2] == ["--port", "31000"] and "--dtype" in engine.args
+    assert engine.http_health == "http://127.0.0.1:31000/health_generate"
+    assert specs[2].args[-2:] == ["--lr", "1e-5"]
+    rollout = specs[3].args
+    assert rollout[rollout.index("--engine-url") + 1] == "http://127.0.0.1:31000"
+    assert rollout[rollout.index("--trainer-addr") + 1] == "127.0.0.1:50052"
+    assert ep.rollout_http == "http://127.0.0.1:8080"
+
+
+def test_bad_extra_args_rejected():
+    with pytest.raises(ValueError, match="list of strings"):
+        plan({"engine": {"args": "--x"}})
+
+
+def test_metrics_line_puts_headline_first():
+    line = format_metrics(3, {"zeta": 1.0, "loss": 0.25, "reward_mean": 0.5})
+    assert line.index("reward_mean") < line.index("loss") < line.index("zeta")
+
+
+@pytest.mark.parametrize("cfg", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_have_both_sections(cfg):
+    doc = yaml.safe_load(cfg.read_text())
+    assert isinstance(doc.get("run"), dict) and isinstance(doc.get("services"), dict)
+    plan(doc["services"])
