@@ -56,7 +56,7 @@ def plan(services: dict[str, Any], host: str = "127.0.0.1") -> tuple[list[Servic
     model = str(services.get("model") or "SmolLM2-135M-Instruct")
     sb = {"grpc_port": 50051, "http_port": 3000, **(services.get("sandbox") or {})}
     en = {"port": 30000, "device": "cpu", **(services.get("engine") or {})}
-    tr = {"port": 50052, "device": "cpu", **(services.get("trainer") or {})}
+    tr = {"port": 50052, "device": "cpu", "checkpoint_dir": "runs/checkpoints", **(services.get("trainer") or {})}
     ro = {"grpc_port": 50053, "http_port": 8080, **(services.get("rollout") or {})}
     ep = Endpoints(
         sandbox_grpc=f"{host}:{sb['grpc_port']}", sandbox_http=f"http://{host}:{sb['http_port']}",

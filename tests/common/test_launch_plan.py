@@ -19,6 +19,8 @@ def test_plan_defaults_and_overrides():
     assert engine.args[:2] == ["--port", "31000"] and "--dtype" in engine.args
     assert engine.http_health == "http://127.0.0.1:31000/health_generate"
     assert specs[2].args[-2:] == ["--lr", "1e-5"]
+    trainer = specs[2].args
+    assert trainer[trainer.index("--checkpoint-dir") + 1] == "runs/checkpoints"
     rollout = specs[3].args
     assert rollout[rollout.index("--engine-url") + 1] == "http://127.0.0.1:31000"
     assert rollout[rollout.index("--trainer-addr") + 1] == "127.0.0.1:50052"
