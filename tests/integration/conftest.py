@@ -6,6 +6,7 @@ import socket
 import pytest
 
 from services.launch.stack import Stack, plan
+from services.sandbox.templates import default_home
 
 
 def _free_ports(n: int) -> list[int]:
@@ -23,9 +24,13 @@ def _free_ports(n: int) -> list[int]:
 def stack(tmp_path_factory):
     sb_grpc, sb_http, engine, trainer, ro_grpc, ro_http = _free_ports(6)
     tmp = tmp_path_factory.mktemp("stack")
+    # The sandbox service locks its state folder: this stack gets its own, sharing the built templates.
+    sandbox_home = tmp / "sandbox-home"
+    sandbox_home.mkdir()
+    (sandbox_home / "templates").symlink_to(default_home() / "templates")
     services = {
         "model": "SmolLM2-135M-Instruct",
-        "sandbox": {"grpc_port": sb_grpc, "http_port": sb_http},
+        "sandbox": {"grpc_port": sb_grpc, "http_port": sb_http, "args": ["--home", str(sandbox_home)]},
         "engine": {"port": engine, "device": "cpu", "dtype": "float32"},
         "trainer": {"port": trainer, "device": "cpu", "checkpoint_dir": str(tmp / "ckpt")},
         "rollout": {"grpc_port": ro_grpc, "http_port": ro_http, "args": ["--runs-dir", str(tmp / "runs")]},
