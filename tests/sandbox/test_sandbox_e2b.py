@@ -117,14 +117,17 @@ def test_api_key_and_access_token_are_checked(sdk_env):
 
 
 def test_sdk_session_with_another_sdk_version(sdk_env):
-    """Set RLYARD_E2B_LEGACY_PYTHON to an interpreter with another e2b (e.g. 2.48) to run this."""
+    """The same SDK session with e2b 2.48, from the side venv `make install` builds (.venv-e2b248),
+    or from the interpreter RLYARD_E2B_LEGACY_PYTHON names."""
     import os
     import subprocess
     from pathlib import Path
 
-    python = os.environ.get("RLYARD_E2B_LEGACY_PYTHON")
+    side_venv = Path(__file__).resolve().parents[2] / ".venv-e2b248" / "bin" / "python"
+    python = os.environ.get("RLYARD_E2B_LEGACY_PYTHON") or (str(side_venv) if side_venv.exists() else "")
     if not python:
-        pytest.skip("set RLYARD_E2B_LEGACY_PYTHON to a python with e2b 2.48 installed")
+        pytest.skip("no e2b 2.48 interpreter: run `make install` (builds .venv-e2b248) "
+                    "or set RLYARD_E2B_LEGACY_PYTHON")
     script = Path(__file__).with_name("e2b_session_script.py")
     out = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert "SESSION-OK" in out.stdout, out.stdout + out.stderr
