@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import pathlib
+import signal
 import sys
 import time
 
@@ -48,6 +49,12 @@ def load_config(path: pathlib.Path) -> dict:
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    # Ctrl-C and SIGTERM cancel this task; the handlers below stop the run and every service. Explicit
+    # handlers also cover shells that start background jobs with SIGINT ignored.
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
     cfg_path = pathlib.Path(args.config)
     doc = load_config(cfg_path)
     specs, ep = plan(doc.get("services") or {})

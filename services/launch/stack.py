@@ -4,13 +4,15 @@ The launcher reads the `services:` section of a run config file, starts each
 service with `python -m services.<name>`, sends its output to a log file, waits
 for its health check (gRPC health for sandbox, trainer and rollout; HTTP
 /health_generate for the engine), and stops them all in reverse order: SIGTERM,
-then SIGKILL after a grace period. Each child runs in its own process group so
+then SIGKILL after a grace period. A child is also sent SIGTERM by the kernel if
+the launcher itself dies (PR_SET_PDEATHSIG), so no service outlives it. Each child runs in its own process group so
 that a Ctrl-C in the terminal reaches the launcher only, which then stops the
 children in order.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import os
@@ -120,7 +122,8 @@ class Stack:
             cmd = [self.python, "-m", f"services.{spec.name}", *spec.args]
             log.info("starting %s: %s", spec.name, " ".join(cmd[1:]))
             self.procs[spec.name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                                     preexec_fn=_terminate_with_parent)
             logf.close()
         await asyncio.gather(*(self._wait_healthy(s, timeout) for s in self.specs))
 
@@ -179,6 +182,12 @@ class Stack:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the launcher dies, even by SIGKILL (Linux prctl)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
