@@ -20,7 +20,6 @@ import os
 import pathlib
 import platform
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -37,17 +36,6 @@ RUN = {
     "episode": {"max_turns": 2, "max_response_tokens": 160, "context_limit": 768, "command_timeout_s": 10},
     "loss": {"lr": 1e-6}, "eval": {"every": 0}, "samples_per_step": 0,
 }
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def run_mode(http: str, mode: str, steps: int) -> dict:
@@ -87,19 +75,10 @@ def run_mode(http: str, mode: str, steps: int) -> dict:
 
 
 async def _start_stack(tmp: pathlib.Path):
-    from services.launch.stack import Stack, plan
-    sb_grpc, sb_http, engine, trainer, ro_grpc, ro_http = _free_ports(6)
-    services = {
-        "model": "SmolLM2-135M-Instruct",
-        "sandbox": {"grpc_port": sb_grpc, "http_port": sb_http},
-        "engine": {"port": engine, "device": "cpu", "dtype": "float32"},
-        "trainer": {"port": trainer, "device": "cpu", "checkpoint_dir": str(tmp / "ckpt")},
-        "rollout": {"grpc_port": ro_grpc, "http_port": ro_http, "args": ["--runs-dir", str(tmp / "runs")]},
-    }
-    specs, ep = plan(services)
-    stack = Stack(specs, tmp / "logs")
+    from services.launch.stack import throwaway_stack
+    stack = throwaway_stack(tmp)
     await stack.start(timeout=420)
-    return stack, ep.rollout_http
+    return stack, stack.endpoints.rollout_http
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

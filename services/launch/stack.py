@@ -18,6 +18,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 
 from services.common.grpc_server import check_health
+from services.common.model_store import DEFAULT_MODEL, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class Stack:
         self.log_dir = log_dir
         self.python = python
         self.procs: dict[str, subprocess.Popen] = {}
+        self.endpoints: Endpoints | None = None
 
     async def __aenter__(self) -> "Stack":
         try:
@@ -197,3 +200,38 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 right now."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def throwaway_stack(tmp: pathlib.Path, model: str = DEFAULT_MODEL) -> Stack:
+    """A CPU stack on free ports with its state under `tmp`, so it runs beside `make run` (tests, benchmarks).
+
+    The sandbox service locks its state folder, so this stack gets its own, sharing the built templates.
+    Returns the Stack (not started); its endpoints are in `.endpoints`.
+    """
+    sb_grpc, sb_http, engine, trainer, ro_grpc, ro_http = free_ports(6)
+    sandbox_home = tmp / "sandbox-home"
+    sandbox_home.mkdir(parents=True, exist_ok=True)
+    if not (sandbox_home / "templates").exists():
+        (sandbox_home / "templates").symlink_to(cache_dir() / "templates")
+    specs, endpoints = plan({
+        "model": model,
+        "sandbox": {"grpc_port": sb_grpc, "http_port": sb_http, "args": ["--home", str(sandbox_home)]},
+        "engine": {"port": engine, "device": "cpu", "dtype": "float32"},
+        "trainer": {"port": trainer, "device": "cpu", "checkpoint_dir": str(tmp / "ckpt")},
+        "rollout": {"grpc_port": ro_grpc, "http_port": ro_http, "args": ["--runs-dir", str(tmp / "runs")]},
+    })
+    stack = Stack(specs, tmp / "logs")
+    stack.endpoints = endpoints
+    return stack

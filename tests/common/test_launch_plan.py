@@ -42,3 +42,15 @@ def test_shipped_configs_have_both_sections(cfg):
     doc = yaml.safe_load(cfg.read_text())
     assert isinstance(doc.get("run"), dict) and isinstance(doc.get("services"), dict)
     plan(doc["services"])
+
+
+def test_throwaway_stack_gets_its_own_folders_and_ports(tmp_path):
+    from services.launch.stack import throwaway_stack
+    st = throwaway_stack(tmp_path)
+    args = {s.name: s.args for s in st.specs}
+    sandbox = args["sandbox"]
+    home = tmp_path / "sandbox-home"
+    assert sandbox[sandbox.index("--home") + 1] == str(home)
+    assert (home / "templates").is_symlink()
+    ports = [st.endpoints.sandbox_grpc, st.endpoints.trainer_grpc, st.endpoints.rollout_grpc]
+    assert len(set(ports)) == 3
