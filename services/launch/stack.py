@@ -76,15 +76,24 @@ def plan(services: dict[str, Any], host: str = "127.0.0.1") -> tuple[list[Servic
             trainer_args += [f"--{key.replace('_', '-')}", str(tr[key])]
     specs = [
         ServiceSpec("sandbox", ["--grpc-port", str(sb["grpc_port"]), "--http-port", str(sb["http_port"]),
-                                *_extra(sb)], grpc_addr=ep.sandbox_grpc),
-        ServiceSpec("engine", engine_args + _extra(en), http_health=f"{ep.engine_url}/health_generate"),
-        ServiceSpec("trainer", trainer_args + _extra(tr), grpc_addr=ep.trainer_grpc),
+                                *_extra(sb)], grpc_addr=ep.sandbox_grpc, env=_env(sb)),
+        ServiceSpec("engine", engine_args + _extra(en), http_health=f"{ep.engine_url}/health_generate",
+                    env=_env(en)),
+        ServiceSpec("trainer", trainer_args + _extra(tr), grpc_addr=ep.trainer_grpc, env=_env(tr)),
         ServiceSpec("rollout", ["--grpc-port", str(ro["grpc_port"]), "--http-port", str(ro["http_port"]),
                                 "--engine-url", ep.engine_url, "--trainer-addr", ep.trainer_grpc,
                                 "--sandbox-addr", ep.sandbox_grpc, *_extra(ro)],
-                    grpc_addr=ep.rollout_grpc),
+                    grpc_addr=ep.rollout_grpc, env=_env(ro)),
     ]
     return specs, ep
+
+
+def _env(section: dict[str, Any]) -> dict[str, str]:
+    """Extra environment of a service (`env: {CUDA_VISIBLE_DEVICES: "1"}` in its config section)."""
+    env = section.get("env") or {}
+    if not isinstance(env, dict):
+        raise ValueError(f"services.*.env must be a mapping of names to values, got {env!r}")
+    return {str(k): str(v) for k, v in env.items()}
 
 
 def _extra(section: dict[str, Any]) -> list[str]:

@@ -30,6 +30,13 @@ def test_plan_defaults_and_overrides():
 def test_bad_extra_args_rejected():
     with pytest.raises(ValueError, match="list of strings"):
         plan({"engine": {"args": "--x"}})
+    with pytest.raises(ValueError, match="mapping"):
+        plan({"engine": {"env": ["CUDA_VISIBLE_DEVICES=1"]}})
+
+
+def test_service_env_reaches_the_spec():
+    specs, _ = plan({"engine": {"device": "cuda:0", "env": {"CUDA_VISIBLE_DEVICES": 1}}})
+    assert specs[1].env == {"CUDA_VISIBLE_DEVICES": "1"} and specs[0].env == {}
 
 
 def test_metrics_line_puts_headline_first():
