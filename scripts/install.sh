@@ -42,9 +42,7 @@ fi
 step "default model (SmolLM2-135M-Instruct, converted once from the packaged GGUF)"
 "$VENV/bin/python" -m services.common.model_store provision
 
-if [ -f services/sandbox/templates.py ] || [ -d services/sandbox/templates ]; then
-  step "default sandbox template (built once)"
-  "$VENV/bin/python" -m services.sandbox template build default
-fi
+step "default sandbox template (debootstrap, built once)"
+"$VENV/bin/python" -m services.sandbox template build default
 
 printf '\nmake install done in %ss\n' "$(( $(date +%s) - start ))"
