@@ -19,14 +19,18 @@ import base64
 import binascii
 import dataclasses
 import io
+import logging
 import math
 import pickle
 import threading
+import time
 import types
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FlattenedTensorMetadata", "serialize", "deserialize", "flatten_bucket", "unflatten_bucket",
@@ -299,11 +303,31 @@ def enable_cuda_uuid_mapping() -> None:
         reductions.init_reductions()
 
 
-def use_cpu_shared_memory() -> None:
-    """Let CPU tensors cross unrelated processes by shared-memory file name (call in the sender)."""
+_shm_manager_started = False
+
+
+def use_cpu_shared_memory(attempts: int = 3) -> None:
+    """Let CPU tensors cross unrelated processes by shared-memory file name (call in the sender).
+
+    With this strategy torch starts its `torch_shm_manager` helper at the process's first shared
+    allocation. That start was once seen to fail ("no response from torch_shm_manager") and succeed
+    when tried again, so the helper is started here, with a bounded retry, before anything is shared.
+    """
+    global _shm_manager_started
     import torch.multiprocessing
 
     torch.multiprocessing.set_sharing_strategy("file_system")
+    for attempt in range(1, attempts + 1):
+        if _shm_manager_started:
+            return
+        try:
+            torch.zeros(1).share_memory_()
+            _shm_manager_started = True
+        except RuntimeError as exc:
+            if "torch_shm_manager" not in str(exc) or attempt == attempts:
+                raise
+            log.warning("torch_shm_manager did not start (attempt %d of %d); retrying", attempt, attempts)
+            time.sleep(0.2 * attempt)
 
 
 def join_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,

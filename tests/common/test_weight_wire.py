@@ -172,3 +172,13 @@ def test_cuda_ipc_carries_uuid():
     t = torch.arange(10, device="cuda:0", dtype=torch.float32)
     raw = __import__("base64").b64decode(ww.serialize([("t", t)]))
     assert str(torch.cuda.get_device_properties(0).uuid).encode() in raw
+
+
+def test_cpu_shared_memory_starts_torch_shm_manager():
+    """After use_cpu_shared_memory(), a shared CPU tensor pickles as a file name (no fd handover)."""
+    import torch.multiprocessing
+    ww.use_cpu_shared_memory()
+    assert torch.multiprocessing.get_sharing_strategy() == "file_system"
+    assert ww._shm_manager_started
+    t = torch.arange(4.0).share_memory_()
+    assert ww.deserialize(ww.serialize(t)).tolist() == [0.0, 1.0, 2.0, 3.0]
