@@ -18,7 +18,6 @@ import asyncio
 import json
 import pathlib
 import platform
-import socket
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from services.common.sglang_client import SGLangClient  # noqa: E402
+from services.common.net import free_port  # noqa: E402
 
 QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
@@ -70,12 +70,6 @@ def baseline(model, batch: list[list[int]], new_tokens: int, device: torch.devic
     elapsed = time.perf_counter() - t
     assert out.shape[1] == ids.shape[1] + new_tokens
     return elapsed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

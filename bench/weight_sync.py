@@ -21,7 +21,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from services.common.net import free_port  # noqa: E402
 
 # Architecture facts (REFERENCE.md for Qwen2.5-0.5B; public configs for the others).
 SHAPES: dict[str, dict] = {
@@ -77,12 +77,6 @@ def write_folder(model, folder: pathlib.Path, tokenizer_from: pathlib.Path | Non
             if (tokenizer_from / f).exists():
                 shutil.copy(tokenizer_from / f, folder / f)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineProcess:

@@ -18,7 +18,6 @@ import logging
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import httpx
 
 from services.common.grpc_server import check_health
 from services.common.model_store import DEFAULT_MODEL, cache_dir
+from services.common.net import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -209,18 +209,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports free on 127.0.0.1 right now."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def throwaway_stack(tmp: pathlib.Path, model: str = DEFAULT_MODEL) -> Stack:

@@ -1,7 +1,6 @@
 """One real engine process (SmolLM2-135M on CPU, 0.5.23-style strict weight-update sessions) per test session."""
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -10,13 +9,9 @@ import httpx
 import pytest
 import torch
 
+from services.common.net import free_port as _free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,13 @@
 import asyncio
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from services.common.net import free_port as _free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -55,12 +56,6 @@ def _check_graph_decode(device):
         assert graph.decode_mode == "cuda_graph" and not graph.graphs.failed and graph.graphs.graphs
     else:  # graphs are refused off device 0 (they replayed wrong logits there): eager, and right
         assert graph.decode_mode != "cuda_graph" and graph.graphs is None
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cuda_ipc_update_into_served_engine(tmp_path):

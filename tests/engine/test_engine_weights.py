@@ -12,6 +12,7 @@ import torch
 from services.common import weight_wire as ww
 from services.common.model_store import resolve_model
 from services.common.sglang_client import EngineError
+from services.common.net import free_port as _free_port
 from tests.engine.sglang_source import importable, tensor_bucket_module
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -158,13 +159,6 @@ async def test_update_from_disk(client, prompt, checkpoint, tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 7}')
     with pytest.raises(EngineError, match="hidden_size"):
         await client.update_weights_from_disk(str(tmp_path))
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_distributed_update_over_gloo(client, checkpoint, prompt):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -10,6 +9,7 @@ from services.common.grpc_server import ServiceServer
 from services.common.proto.rlyard.v1 import sandbox_pb2, sandbox_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.rollout.runner import load_tokenizer
 from services.rollout.tasks import load_split
+from services.common.net import free_port
 from tests.rollout.fakes import FakeEngine, FakeSandboxService, FakeTrainerService, engine_app, solution_policy
 
 
@@ -21,12 +21,6 @@ def smol_tokenizer():
 @pytest.fixture(scope="session")
 def all_tasks():
     return load_split("train") + load_split("eval")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeStack:

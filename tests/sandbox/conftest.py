@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ import pytest
 from services.common.grpc_server import channel
 from services.common.proto.rlyard.v1 import common_pb2, sandbox_pb2, sandbox_pb2_grpc
 from services.sandbox.templates import TemplateStore, default_home
+from services.common.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hf_rlyard_test_secret_do_not_leak"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def need_namespace_backend() -> None:

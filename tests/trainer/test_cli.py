@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -15,13 +14,8 @@ import pytest
 from services.common.grpc_server import channel, check_health
 from services.common.packing import pack_floats, pack_ids
 from services.common.proto.rlyard.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.net import free_port
 from tests.trainer.conftest import tiny_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(model_dir, ckpt_dir, port, *extra):

@@ -3,7 +3,6 @@ can be gathered for a weight sync, and a sharded checkpoint resumes exactly."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 
 from services.trainer.losses import LossSettings
 from services.trainer.trainer import PolicyTrainer, TrainerSettings
+from services.common.net import free_port
 from tests.trainer.conftest import random_episodes, tiny_model
 
 SETTINGS = TrainerSettings(lr=1e-2, micro_batch_tokens=24, loss=LossSettings(lr=1e-2))
@@ -42,12 +42,6 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                         "step": fresh.step}, os.path.join(out, "rank0.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 
@@ -28,6 +27,7 @@ from services.trainer.model import load_model
 from services.trainer.trainer import PolicyTrainer, TrainerSettings
 from services.trainer.weight_sync import WeightSyncer
 from services.trainer.weight_sync.buckets import plan_buckets
+from services.common.net import free_port
 
 try:
     import services.engine.server  # noqa: F401
@@ -52,12 +52,6 @@ def needs_engine(fn):
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]
 RESPONSE = [19556, 28, 339, 5248, 7192, 12, 2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
