@@ -13,8 +13,9 @@ from services.common.grpc_server import check_health
 from services.common.model_store import cache_dir
 from services.rollout.sandbox_client import SandboxClient, SandboxError
 from services.rollout.tasks import load_split
-from services.rollout.verify import prepare, verify
+from services.rollout.verify import prepare
 from tests.rollout.conftest import free_port
+from tests.rollout.solutions import replay
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +55,7 @@ def sandbox_addr(tmp_path_factory):
 async def _solve(client: SandboxClient, task, good: bool):
     sb = await client.create("", 120, {"test": task.id})
     try:
-        await prepare(task, sb)
-        answer = "wrong"
-        if good:
-            for cmd in task.solution.commands:
-                await sb.run(cmd, 20)
-            answer = task.solution.answer
-            if task.solution.answer_command:
-                answer = (await sb.run(task.solution.answer_command, 20)).stdout
-        return await verify(task, answer, sb)
+        return await replay(task, sb, good)
     finally:
         await sb.kill()
 

@@ -6,9 +6,10 @@ import asyncio
 import pytest
 
 from services.rollout.tasks import TaskError, load_split, select
-from services.rollout.verify import answer_matches, normalize, prepare, verify
+from services.rollout.verify import answer_matches, normalize
 from services.rollout.tasks import AnswerCheck
 from tests.rollout.fakes import LocalSandbox
+from tests.rollout.solutions import replay
 
 SEED = {"sha256_nano_miles", "numbers_file_lines", "kernel_name_lower", "python_product"}
 
@@ -55,26 +56,14 @@ def test_answer_matching():
     assert normalize("  a \n  b. ", ["collapse_ws", "strip_period"]) == "a b"
 
 
-async def _solve(task, sandbox, with_solution: bool):
-    await prepare(task, sandbox)
-    answer = "wrong"
-    if with_solution:
-        for cmd in task.solution.commands:
-            await sandbox.run(cmd, 20)
-        answer = task.solution.answer
-        if task.solution.answer_command:
-            answer = (await sandbox.run(task.solution.answer_command, 20)).stdout
-    return await verify(task, answer, sandbox)
-
-
 @pytest.mark.parametrize("split", ["train", "eval"])
 async def test_every_verifier_passes_its_solution_and_fails_without_it(split):
     """Replayed in a local bash home; tests/rollout/test_real_sandbox.py repeats it in the real sandbox."""
     async def one(task):
         good, bad = LocalSandbox(), LocalSandbox()
         try:
-            ok = await _solve(task, good, True)
-            ko = await _solve(task, bad, False)
+            ok = await replay(task, good, True)
+            ko = await replay(task, bad, False)
         finally:
             good.close()
             bad.close()
