@@ -13,7 +13,8 @@ step() { printf '\n== %s\n' "$*"; }
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
-  for pkg in debootstrap bubblewrap; do
+  # gcc + libc6-dev build the sandbox's 9 KB exec helper (services/sandbox/exec_helper.py) once
+  for pkg in debootstrap bubblewrap gcc libc6-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
   done
   if [ ${#missing[@]} -gt 0 ]; then

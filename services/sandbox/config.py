@@ -31,6 +31,8 @@ class SandboxConfig:
     api_keys: list[str] = field(default_factory=list)  # empty: the HTTP API accepts any key
     paused_ttl_s: int = 7 * 24 * 3600
     pool_size: int = 4               # warm sandboxes of the default template kept ready for create()
+    blank_pool: int = 16             # blank sandboxes (all but the root) kept for cold creates and fork children
+    exec_helper: str = "auto"        # auto (build with cc) | off (fork the init) | path of a prebuilt helper
 
     @property
     def state_dir(self) -> Path:

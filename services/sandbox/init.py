@@ -72,6 +72,10 @@ class Command:
         self.argv: list[str] = []
         self.cwd = ""
         self.started = time.monotonic()
+        # The exec-status pipe: EOF once the command is executed, "CODE ..." if that failed. Watched in the
+        # select loop like the output, so that starting a command never waits for the exec.
+        self.status_fd = -1
+        self.failure = b""
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes:
@@ -144,6 +148,17 @@ def kill_tree(root: int) -> None:
             pass
 
 
+def _no_inherited_fds() -> None:
+    """Mark every descriptor above 2 close-on-exec: posix_spawn does not close the rest, exec does."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed meanwhile
+
+
 def _raise_oom_score() -> None:
     """Commands are the OOM killer's first choice in their sandbox, the init its last (raising a score
     needs no privilege, so this holds even where the init could not lower its own)."""
@@ -154,11 +169,49 @@ def _raise_oom_score() -> None:
         pass
 
 
+def _failure_text(report: bytes, argv: list[str]) -> str:
+    """The exec failure a child reported: "CODE ERRNO" from the helper, "CODE MESSAGE" from a forked child."""
+    _, _, rest = report.decode(errors="replace").partition(" ")
+    if rest.isdigit():
+        return f"{argv[0]}: {os.strerror(int(rest))}"
+    return rest
+
+
+def _fork(argv: list[str], env: dict[str, str], cwd: str, stdin: int, stdout: int, stderr: int,
+          status: int) -> int:
+    """Start a command by forking the init (without the exec helper); the child reports a failed exec on `status`."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setsid()
+        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        _raise_oom_score()
+        os.dup2(stdin, 0)
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        os.closerange(3, status)
+        os.closerange(status + 1, 65536)
+        os.chdir(cwd)
+        os.execvpe(argv[0], argv, env)
+    except BaseException as e:  # noqa: BLE001 - report any failure to the parent, then die
+        msg = f"{argv[0]}: {getattr(e, 'strerror', None) or e}"
+        code = 127 if isinstance(e, (FileNotFoundError, NotADirectoryError)) else 126
+        try:
+            os.write(status, f"{code} {msg}".encode())
+        finally:
+            os._exit(code)
+    os._exit(127)  # not reached: execvpe returns only by raising
+
+
 class Init:
     """The control-socket server. `base` is "" when the root is pivoted (namespace backends),
     or the host directory standing in for "/" (process backend)."""
 
-    def __init__(self, listener: socket.socket, home: str, base: str = "") -> None:
+    def __init__(self, listener: socket.socket, home: str, base: str = "", helper_fd: int = -1) -> None:
         self.listener = listener
         self.home = home
         self.files = FileOps(home, base)
@@ -166,6 +219,18 @@ class Init:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
+        # The exec helper (exec_helper.py), opened before pivot_root; -1: commands start by fork.
+        self.helper = f"/proc/self/fd/{helper_fd}" if helper_fd >= 0 else ""
+        _no_inherited_fds()
+        # Set up here, not in serve(): a blank sandbox's init (blank_pool.py) does it before it has a root,
+        # so that its first request after the attach does not wait for it.
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        # Ignored signals stay ignored across exec: the helper's commands get them back at their default.
+        self.default_signals = tuple(sig for sig in signal.valid_signals()
+                                     if sig not in (signal.SIGKILL, signal.SIGSTOP)
+                                     and signal.getsignal(sig) == signal.SIG_IGN)
 
     # ---- paths ----
     def op_signal(self, req: dict) -> dict:
@@ -230,38 +295,20 @@ class Init:
         keep_stdin = bool(req.get("stdin_open"))
         in_r, in_w = os.pipe() if stdin_data or keep_stdin else (os.open("/dev/null", os.O_RDONLY), None)
         exec_r, exec_w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
-        if pid == 0:  # the command
-            try:
-                os.setsid()
-                linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
-                for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_SETMASK, [])
-                _raise_oom_score()
-                os.dup2(in_r, 0)
-                os.dup2(out_w, 1)
-                os.dup2(err_w, 2)
-                os.closerange(3, exec_w)
-                os.closerange(exec_w + 1, 65536)
-                os.chdir(cwd_host)
-                os.execvpe(argv[0], argv, env)
-            except BaseException as e:  # noqa: BLE001 - report any failure to the parent, then die
-                msg = f"{argv[0]}: {getattr(e, 'strerror', None) or e}"
-                code = 127 if isinstance(e, (FileNotFoundError, NotADirectoryError)) else 126
-                try:
-                    os.write(exec_w, f"{code} {msg}".encode())
-                finally:
-                    os._exit(code)
+        try:
+            pid = (self._spawn if self.helper else _fork)(argv, env, cwd_host, in_r, out_w, err_w, exec_w)
+        except OSError:
+            for fd in (out_r, out_w, err_r, err_w, in_r, in_w, exec_r, exec_w):
+                if fd is not None:
+                    os.close(fd)
+            raise
         os.close(out_w)
         os.close(err_w)
         os.close(in_r)
         os.close(exec_w)
-        failure = os.read(exec_r, 4096)
-        os.close(exec_r)
         out = Stream(out_r, wire.STDOUT, wire.STDOUT_TAIL, cap)
         err = Stream(err_r, wire.STDERR, wire.STDERR_TAIL, cap)
-        for fd in (out_r, err_r):
+        for fd in (out_r, err_r, exec_r):
             os.set_blocking(fd, False)
         if in_w is not None:
             os.set_blocking(in_w, False)
@@ -270,14 +317,35 @@ class Init:
         cmd.detach = bool(req.get("detach"))
         cmd.stdin_open = keep_stdin
         cmd.argv, cmd.cwd = argv, cwd
+        cmd.status_fd = exec_r
         self.commands[pid] = cmd
-        try:
-            conn.sendall(wire.json_frame(wire.STARTED, {"pid": pid}))
-            if failure:
-                code, _, msg = failure.decode(errors="replace").partition(" ")
-                conn.sendall(wire.frame(wire.STDERR, f"rlyard: cannot execute {msg}\n".encode()))
-        except OSError:
-            self.cancel(cmd)
+        if req.get("announce", True):  # the pid comes with the exit status too; a plain run skips this frame
+            try:
+                conn.sendall(wire.json_frame(wire.STARTED, {"pid": pid}))
+            except OSError:
+                self.cancel(cmd)
+
+    def read_status(self, cmd: Command) -> None:
+        """Collect what the exec-status pipe has (a failure report); close it at EOF."""
+        while cmd.status_fd >= 0:
+            try:
+                data = os.read(cmd.status_fd, 4096)
+            except BlockingIOError:
+                return
+            if not data:
+                os.close(cmd.status_fd)
+                cmd.status_fd = -1
+                return
+            cmd.failure += data
+
+    def _spawn(self, argv: list[str], env: dict[str, str], cwd: str, stdin: int, stdout: int, stderr: int,
+               status: int) -> int:
+        """Start a command through the exec helper: posix_spawn makes the session, resets the signals and
+        sets fds 0-3 (3: the status pipe); the helper becomes subreaper, raises the OOM score, chdirs, execs."""
+        return os.posix_spawn(self.helper, ["rlyard-exec", cwd, *argv], env, setsid=True, setsigmask=(),
+                              setsigdef=self.default_signals, file_actions=[
+                                  (os.POSIX_SPAWN_DUP2, stdin, 0), (os.POSIX_SPAWN_DUP2, stdout, 1),
+                                  (os.POSIX_SPAWN_DUP2, stderr, 2), (os.POSIX_SPAWN_DUP2, status, 3)])
 
     def cancel(self, cmd: Command) -> None:
         if not cmd.cancelled:
@@ -313,6 +381,13 @@ class Init:
                 return True
 
     def finish(self, cmd: Command) -> None:
+        self.read_status(cmd)  # the command has ended: the pipe holds its whole report and is at EOF
+        if cmd.status_fd >= 0:
+            os.close(cmd.status_fd)
+            cmd.status_fd = -1
+        if cmd.failure:
+            self.send(cmd, wire.frame(wire.STDERR, f"rlyard: cannot execute {_failure_text(cmd.failure, cmd.argv)}\n"
+                                      .encode()))
         for stream in (cmd.out, cmd.err):
             if stream.fd >= 0:
                 self.pump(cmd, stream)
@@ -334,7 +409,7 @@ class Init:
             if stream.truncated:
                 msg += wire.frame(stream.tail_kind, bytes(stream.tail))
         msg += wire.json_frame(wire.EXIT, {
-            "exit_code": code, "timed_out": cmd.timed_out, "stdout_truncated": cmd.out.truncated,
+            "pid": cmd.pid, "exit_code": code, "timed_out": cmd.timed_out, "stdout_truncated": cmd.out.truncated,
             "stderr_truncated": cmd.err.truncated, "duration_ms": (time.monotonic() - cmd.started) * 1000})
         self.send(cmd, msg)
         try:
@@ -377,9 +452,6 @@ class Init:
         conn.close()
 
     def serve(self) -> None:
-        signal.set_wakeup_fd(self.wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         self.listener.setblocking(False)
         while True:
             rlist = [self.listener, self.wake_r]
@@ -390,6 +462,8 @@ class Init:
                 for stream in (cmd.out, cmd.err):
                     if stream.fd >= 0:
                         rlist.append(stream.fd)
+                if cmd.status_fd >= 0:
+                    rlist.append(cmd.status_fd)
                 if not cmd.cancelled:
                     rlist.append(cmd.conn)
                     conns[cmd.conn] = cmd
@@ -412,11 +486,15 @@ class Init:
             if self.listener in readable:
                 self.accept()
             by_fd = {}
+            status_fds = {}
             for cmd in list(self.commands.values()):
                 by_fd[cmd.out.fd] = (cmd, cmd.out)
                 by_fd[cmd.err.fd] = (cmd, cmd.err)
+                status_fds[cmd.status_fd] = cmd
             for fd in readable:
-                if isinstance(fd, int) and fd in by_fd:
+                if isinstance(fd, int) and fd in status_fds and fd >= 0:
+                    self.read_status(status_fds[fd])
+                elif isinstance(fd, int) and fd in by_fd:
                     cmd, stream = by_fd[fd]
                     self.pump(cmd, stream)
                 elif fd in conns:

@@ -38,6 +38,7 @@ MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
 MS_REMOUNT = 32
+MS_MOVE = 8192
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -113,6 +114,17 @@ def sethostname(name: str) -> None:
     _check(_libc.sethostname(raw, len(raw)), "sethostname")
 
 
+def drop_bounding(keep: tuple[int, ...] = KEEP_CAPS) -> None:
+    """Shrink the capability bounding set to `keep`: no later exec can gain more. The capabilities this
+    process has now stay effective until drop_capabilities."""
+    for cap in range(CAP_LAST + 1):
+        if cap not in keep:
+            try:
+                prctl(PR_CAPBSET_DROP, cap)
+            except OSError:
+                pass  # unknown to this kernel
+
+
 class _CapHeader(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
@@ -121,14 +133,11 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def drop_capabilities(keep: tuple[int, ...] = KEEP_CAPS) -> None:
-    """Shrink the bounding set and the effective/permitted sets to `keep`."""
-    for cap in range(CAP_LAST + 1):
-        if cap not in keep:
-            try:
-                prctl(PR_CAPBSET_DROP, cap)
-            except OSError:
-                pass  # unknown to this kernel
+def drop_capabilities(keep: tuple[int, ...] = KEEP_CAPS, bounding: bool = True) -> None:
+    """Shrink the bounding set (unless `bounding` is False: done already) and the effective/permitted sets
+    to `keep`."""
+    if bounding:
+        drop_bounding(keep)
     mask = 0
     for cap in keep:
         mask |= 1 << cap

@@ -20,10 +20,11 @@ import uuid
 from pathlib import Path
 from typing import AsyncIterator
 
-from services.sandbox import backends, channel, recovery
+from services.sandbox import backends, channel, exec_helper, recovery
 from services.sandbox.box import (FORKING, KILLED, KILLING, PAUSED, PAUSING, RESUMING, RUNNING, SNAPSHOT_KIND,
                                   SNAPSHOTTING, Box, Resources, clean_env)
 from services.sandbox.egress import EgressProxy, Policy, proxy_env
+from services.sandbox.blank_pool import BlankPool
 from services.sandbox.pool import WarmPool
 from services.sandbox.cgroups import Cgroups, CgroupError
 from services.sandbox.config import SandboxConfig
@@ -53,11 +54,17 @@ class Manager:
         self._ttl_task: asyncio.Task | None = None
         self._create_slots = 0
         self.pool = WarmPool(self, config.pool_size)
+        self.blanks = BlankPool(self, config.blank_pool)
         self._lock_file = None
+        self.exec_helper = ""  # path of the exec helper the inits start commands through ("" = fork)
 
     # ---------------------------------------------------------------- start / stop
     async def start(self) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        try:  # first: a bad --exec-helper must stop the start before anything is mounted or locked
+            self.exec_helper = exec_helper.resolve(self.config.exec_helper, self.config.state_dir / "bin")
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
         self._lock_state_dir()
         self.backend = backends.choose(self.config.backend)
         # One cgroup folder per state directory, so two services (or a test's) never touch each other's groups.
@@ -87,6 +94,8 @@ class Manager:
         if self.config.pool_size > 0 and (self.backend == "process"
                                           or self.templates.exists(self.config.default_template)):
             self.pool.start()
+        if self.backend == "namespace" and self.cgroups.available:  # a blank's limits are set through cgroups
+            self.blanks.start()
 
     def _lock_state_dir(self) -> None:
         """One service per state directory: a second would adopt (and fight over) the first one's sandboxes."""
@@ -108,6 +117,7 @@ class Manager:
         if self._ttl_task:
             self._ttl_task.cancel()
         await self.pool.stop()
+        await self.blanks.stop()
         if kill_all:
             await asyncio.gather(*(self.kill(b.id, reason="service shutdown") for b in list(self.boxes.values())),
                                  return_exceptions=True)
@@ -203,38 +213,50 @@ class Manager:
                 raise SandboxError("invalid_argument", f"bad network policy: {e}") from e
         ttl = self._ttl(timeout_s)
         resources = resources or self._resources()
-        if snapshot_id:
-            meta = self.storage.load_snapshot(snapshot_id)
-            if meta is None:
-                raise SandboxError("not_found", f"snapshot {snapshot_id!r} does not exist; take one with Snapshot")
-            template, lowers = meta["template"], list(meta["lowers"])
-        else:
-            template = template or self.config.default_template
-            if self.backend == "process":
-                lowers = []
-            else:
-                try:
-                    lowers = [str(self.templates.get(template).rootfs)]
-                except TemplateError as e:
-                    code = "failed_precondition" if template == self.config.default_template else "not_found"
-                    raise SandboxError(code, str(e)) from e
+        template = template or self.config.default_template
         self._reserve(1)
         try:
             box = None
             if not snapshot_id and template == self.config.default_template and network is None:
+                # A warm sandbox is of the default template already: no template or snapshot lookup on this path.
                 box = await self.pool.take(ttl, auto_pause, env, dict(metadata or {}), resources)
             if box is None:
+                template, lowers = self._layers(template, snapshot_id)
                 box = await self._launch(template, lowers, ttl, auto_pause, env, dict(metadata or {}), resources, "",
                                          network=network)
         finally:
             self._create_slots -= 1
         return box
 
+    def _layers(self, template: str, snapshot_id: str) -> tuple[str, list[str]]:
+        """The template name and read-only layers (top first) a new sandbox is made of."""
+        if snapshot_id:
+            meta = self.storage.load_snapshot(snapshot_id)
+            if meta is None:
+                raise SandboxError("not_found", f"snapshot {snapshot_id!r} does not exist; take one with Snapshot")
+            return meta["template"], list(meta["lowers"])
+        if self.backend == "process":
+            return template, []
+        try:
+            return template, [str(self.templates.get(template).rootfs)]
+        except TemplateError as e:
+            code = "failed_precondition" if template == self.config.default_template else "not_found"
+            raise SandboxError(code, str(e)) from e
+
     async def _launch(self, template: str, lowers: list[str], ttl: int, auto_pause: bool, env: dict[str, str],
                       metadata: dict[str, str], resources: Resources, parent_id: str, pooled: bool = False,
                       network: dict | None = None) -> Box:
         return (await self._launch_many(1, template, lowers, ttl, auto_pause, env, metadata, resources, parent_id,
                                         pooled, network))[0]
+
+    def _adjust_resources(self, box: Box, resources: Resources) -> None:
+        """Apply `resources` to an already started sandbox (one from a pool): cgroup limits and disk quota."""
+        if resources != box.resources:
+            if self.cgroups.available:
+                self.cgroups.set_limits(box.id, resources.memory_mb, resources.pids, resources.cpu_millis)
+            if resources.disk_mb != box.resources.disk_mb:
+                self.storage.resize(box.id, resources.disk_mb)
+            box.resources = resources
 
     def _spawn_request(self, box: Box) -> dict:
         """Make the sandbox's directories and cgroups; the zygote's spawn request for it."""
@@ -251,31 +273,53 @@ class Manager:
                 rlimits["as"] = r.memory_mb * 1024 * 1024 * 4
         return {"backend": self.backend, "lowers": box.lowers, "cgroups": cgroups, "rlimits": rlimits,
                 "userns": self.backend == "userns", "tmp_mb": self.config.tmp_mb, "home": self.config.home_dir,
-                "hostname": "sandbox", **paths}
+                "hostname": "sandbox", "exec_helper": self.exec_helper, **paths}
 
     async def _launch_many(self, count: int, template: str, lowers: list[str], ttl: int, auto_pause: bool,
                            env: dict[str, str], metadata: dict[str, str], resources: Resources, parent_id: str,
-                           pooled: bool = False, network: dict | None = None) -> list[Box]:
-        """Start `count` sandboxes with the same layers; the zygote forks them all before waiting for any."""
+                           pooled: bool = False, network: dict | None = None,
+                           top_layer: "asyncio.Future[str] | None" = None) -> list[Box]:
+        """Start `count` sandboxes with the same layers; the zygote forks them all before waiting for any.
+
+        `top_layer` (a fork's sealed layer, still being copied) goes on top of `lowers`: the sandboxes'
+        directories and cgroups are made while it is copied, and it is awaited just before the spawn.
+        """
         now = time.time()
-        boxes = [Box(id="i" + uuid.uuid4().hex[:19], template=template, backend=self.backend, resources=resources,
-                     lowers=list(lowers), created_at=now, expires_at=now + ttl, auto_pause=auto_pause,
-                     metadata=dict(metadata), env=dict(env), parent_id=parent_id, envd_token=secrets.token_hex(16),
-                     network=network) for _ in range(count)]
+        # Blank sandboxes (blank_pool.py) only need their layers; the rest are started from scratch.
+        blanks = self.blanks.take(count) if not pooled and network is None else []
+        boxes = blanks + [Box(id="i" + uuid.uuid4().hex[:19], template=template, backend=self.backend,
+                              resources=resources, lowers=[], created_at=now, expires_at=now + ttl)
+                          for _ in range(count - len(blanks))]
+        for box in boxes:
+            box.template, box.lowers, box.created_at, box.expires_at = template, list(lowers), now, now + ttl
+            box.auto_pause, box.metadata, box.env, box.parent_id = auto_pause, dict(metadata), dict(env), parent_id
+            box.envd_token, box.network = secrets.token_hex(16), network
         if not pooled:
             for box in boxes:
                 self.boxes[box.id] = box
+        spawned: asyncio.Future | None = None
         async with contextlib.AsyncExitStack() as stack:
             for box in boxes:
                 await stack.enter_async_context(box.lock)
             try:
-                reqs = [self._spawn_request(box) for box in boxes]
-                for box, req in zip(boxes, reqs):
+                for box in blanks:
+                    self._adjust_resources(box, resources)
+                fresh = boxes[len(blanks):]
+                reqs = [self._spawn_request(box) for box in fresh]
+                for box, req in zip(fresh, reqs):
                     if box.network is not None:
                         req["egress_dir"] = str(await self._start_egress(box))
-                results = await self.spawner.spawn_many(reqs)
-                errors = []
-                for box, res in zip(boxes, results):
+                if top_layer is not None:
+                    layers = [await top_layer, *lowers]
+                    for box in boxes:
+                        box.lowers = list(layers)
+                    for req in reqs:
+                        req["lowers"] = list(layers)
+                spawned = asyncio.ensure_future(self.spawner.spawn_many(reqs)) if reqs else None
+                attached = await asyncio.gather(*(self.blanks.attach(box, box.lowers) for box in blanks),
+                                                return_exceptions=True)
+                errors = [str(res) for res in attached if isinstance(res, BaseException)]
+                for box, res in zip(fresh, await spawned if spawned else []):
                     if isinstance(res, int):
                         box.pid = res
                         box.pid_start = pid_start_time(res) or 0
@@ -285,17 +329,21 @@ class Manager:
                         errors.append(str(res))
                 if errors:
                     raise SpawnError(errors[0] if len(errors) == 1 else f"{len(errors)} failed, first: {errors[0]}")
+                loop = asyncio.get_running_loop()
                 for box in boxes:
                     if pooled:
                         box.metadata = {"rlyard.pool": "1"}
                         self.pool.boxes.append(box)
-                    self._persist(box)
+                    # Written right after returning, while the caller's first request is on its way to the init.
+                    loop.call_soon(self._persist, box)
             except (SpawnError, OSError, CgroupError) as e:
                 log.error("create of %d sandbox(es) failed: %s", count, e)
                 for box in boxes:
                     await self._destroy(box, f"create failed: {e}")
                 raise SandboxError("internal", f"could not start the sandbox: {e}") from e
             except BaseException:  # cancelled mid-way: leave nothing behind
+                if spawned is not None:
+                    spawned.cancel()  # the spawner ends the inits of a request nobody waits for
                 for box in boxes:
                     await asyncio.shield(self._destroy(box, "create cancelled"))
                 raise
@@ -310,6 +358,8 @@ class Manager:
         return directory
 
     def _persist(self, box: Box) -> None:
+        if box.state == KILLED:  # a deferred write after the kill: the folder is gone, nothing to record
+            return
         try:
             self.storage.write_state(box.id, box.to_json())
         except OSError as e:
@@ -332,8 +382,9 @@ class Manager:
 
     def _on_init_exit(self, box: Box) -> None:
         self._unwatch(box)
-        if box in self.pool:
+        if box in self.pool or box in self.blanks:
             self.pool.remove(box)
+            self.blanks.remove(box)
             asyncio.create_task(self._destroy(box, "its init process exited"))
             return
         if box.state not in (KILLING, KILLED):
@@ -364,11 +415,12 @@ class Manager:
     async def exec(self, sid: str, *, argv: list[str] | None = None, shell: str = "", cwd: str = "",
                    env: dict[str, str] | None = None, stdin: bytes = b"", timeout_s: float = 0,
                    max_output_bytes: int = 0, detach: bool = False,
-                   stdin_open: bool = False) -> AsyncIterator[channel.Event]:
+                   stdin_open: bool = False, announce: bool = True) -> AsyncIterator[channel.Event]:
         """Run a command; yields channel events (started, stdout, stderr, end).
 
         With `detach`, the command keeps running if the caller stops listening (envd semantics);
-        otherwise closing the stream kills its process tree.
+        otherwise closing the stream kills its process tree. Without `announce` there is no "started"
+        event (one wake-up less per command; the end event's result carries the pid).
         """
         box = self.running(sid)
         if shell:
@@ -385,7 +437,7 @@ class Manager:
         if cap > c.max_output_cap:
             raise SandboxError("invalid_argument", f"max_output_bytes {cap} exceeds the maximum {c.max_output_cap}")
         req = {"argv": list(argv), "cwd": cwd, "env": self.exec_env(box, env), "timeout": timeout, "cap": cap,
-               "detach": detach, "stdin_open": stdin_open}
+               "detach": detach, "stdin_open": stdin_open, "announce": announce}
         async for ev in channel.exec_stream(box.sock, req, stdin, guard_s=timeout + 30):
             yield ev
 
@@ -393,17 +445,14 @@ class Manager:
         """Run a command to completion; returns the exit status with stdout and stderr (head + tail)."""
         out, err = bytearray(), bytearray()
         result: dict = {}
-        pid = 0
-        async for ev in self.exec(sid, **kw):
+        async for ev in self.exec(sid, announce=False, **kw):
             if ev.kind == "stdout":
                 out += ev.data
             elif ev.kind == "stderr":
                 err += ev.data
-            elif ev.kind == "started":
-                pid = ev.pid
             elif ev.kind == "end":
                 result = ev.result
-        return dict(result, stdout=bytes(out), stderr=bytes(err), pid=pid)
+        return dict(result, stdout=bytes(out), stderr=bytes(err), pid=int(result.get("pid") or 0))
 
     async def file_op(self, sid: str, op: str, data: bytes | None = None, **args) -> tuple[dict, bytes]:
         box = self.running(sid)
@@ -501,21 +550,35 @@ class Manager:
         if not 1 <= count <= 100:
             raise SandboxError("invalid_argument", f"count must be between 1 and 100, got {count}")
         ttl = self._ttl(timeout_s) if timeout_s else max(1, int(box.expires_at - time.time()))
+        self._need_freezer()
+        if box.state not in (RUNNING, PAUSED):  # checked again under the lock; this spares making children
+            raise SandboxError("failed_precondition", f"sandbox {sid!r} is {box.state}; fork needs a running or "
+                                                      "paused sandbox")
         self._reserve(count)
         t0 = time.perf_counter()
         children: list[Box] = []
-        try:
+
+        async def seal() -> str:
             async with box.lock:
-                layer = await self._sealed_layer(box, FORKING, in_memory=True)
-            lowers = [layer, *box.lowers]
-            children = await self._launch_many(count, box.template, lowers, ttl, box.auto_pause, box.env,
-                                               box.metadata, box.resources, sid, network=box.network)
+                return await self._sealed_layer(box, FORKING, in_memory=True)
+
+        # The copy (a cp process) and the children's set-up (directories, quotas, cgroups) run side by side.
+        layer = asyncio.ensure_future(seal())
+        try:
+            children = await self._launch_many(count, box.template, list(box.lowers), ttl, box.auto_pause, box.env,
+                                               box.metadata, box.resources, sid, network=box.network,
+                                               top_layer=layer)
         except SandboxError:
             for child in children:
                 await self.kill(child.id, reason="fork failed")
             raise
         finally:
             self._create_slots -= count
+            if not layer.done():  # the launch failed before needing the layer: let the copy end, then drop it
+                await asyncio.gather(layer, return_exceptions=True)
+                self._gc_layers()
+            elif not layer.cancelled():
+                layer.exception()  # retrieved: a failed copy was already reported through the launch
         return children, (time.perf_counter() - t0) * 1000
 
     def delete_snapshot(self, snap_id: str) -> None:
@@ -557,6 +620,7 @@ class Manager:
         box.killed_reason = reason
         box.ended_at = time.time()
         self.pool.remove(box)
+        self.blanks.remove(box)
         if self.boxes.pop(box.id, None) is not None:
             self.tombstones[box.id] = box
         while len(self.tombstones) > _TOMBSTONES:

@@ -71,6 +71,8 @@ class TemplateStore:
 
     def __init__(self, home: Path | None = None) -> None:
         self.root = (home or default_home()) / "templates"
+        # name -> ((inode, mtime) of meta.json, Template): a create looks its template up without reading it
+        self._cache: dict[str, tuple[tuple[int, int], Template]] = {}
 
     def _dir(self, name: str) -> Path:
         return self.root / check_name(name)
@@ -79,13 +81,23 @@ class TemplateStore:
         """The ready template `name`, or TemplateError saying how to build it."""
         d = self._dir(name)
         meta = d / "meta.json"
-        if not meta.is_file():
+        try:
+            st = meta.stat()
+            key = (st.st_ino, st.st_mtime_ns)
+        except OSError:
+            key = None
+        if key is None or not meta.is_file():
             hint = BUILD_HINT if name == DEFAULT_TEMPLATE else (
                 f"python -m services.sandbox template import {name} <rootfs.tar|dir>")
             raise TemplateError(f"template {name!r} is not built (looked in {d}); build it with: {hint}")
+        cached = self._cache.get(name)
+        if cached and cached[0] == key:
+            return cached[1]
         info = json.loads(meta.read_text())
-        return Template(name, (d / "rootfs").resolve(), info.get("source", "?"), int(info.get("size_bytes", 0)),
-                        float(info.get("created_at", 0)))
+        t = Template(name, (d / "rootfs").resolve(), info.get("source", "?"), int(info.get("size_bytes", 0)),
+                     float(info.get("created_at", 0)))
+        self._cache[name] = (key, t)
+        return t
 
     def exists(self, name: str) -> bool:
         try:

@@ -6,9 +6,12 @@ spawn forks a middle process that joins the sandbox's cgroups, binds the
 control socket and unshares the namespaces, then forks the init (PID 1 of the
 new pid namespace), which mounts the overlay root, /proc, /dev and /tmp,
 brings up loopback, pivots into the root, drops capabilities and serves.
-Forking from this pre-imported process, not from the multi-threaded gRPC
-service, keeps a spawn at a few milliseconds and lets every init share the
-zygote's memory pages copy-on-write.
+A blank spawn (blank_pool.py) stops before the root: /proc, /dev and /tmp
+are mounted in a staging folder and the init waits on its socket for the
+layers ("attach"), then mounts the overlay, moves them in, pivots and locks
+down as above. Forking from this pre-imported process, not from the
+multi-threaded gRPC service, keeps a spawn at a few milliseconds and lets
+every init share the zygote's memory pages copy-on-write.
 
 Standard library only.
 """
@@ -18,6 +21,7 @@ import bz2  # noqa: F401 - preloaded: tarfile imports compressors lazily, after 
 import encodings.ascii  # noqa: F401
 import encodings.latin_1  # noqa: F401
 import encodings.utf_8  # noqa: F401
+import fcntl
 import gc
 import gzip  # noqa: F401
 import json
@@ -31,8 +35,8 @@ import sys
 import time
 import traceback
 
-from services.sandbox import egress_relay, linux, seccomp
-from services.sandbox.init import Init
+from services.sandbox import egress_relay, linux, seccomp, wire
+from services.sandbox.init import Init, read_frame
 
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 MASKED = ("kcore", "sysrq-trigger", "timer_list", "keys", "kmsg", "latency_stats", "sched_debug")
@@ -44,18 +48,26 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _mount_root(req: dict) -> str:
-    """Mount the sandbox's filesystem tree under req['root'] (in the new mount namespace)."""
+# The mounts a sandbox gets besides its root, each with its submounts (moved as a whole by a blank's attach).
+SPECIAL_MOUNTS = ("proc", "dev", "tmp")
+
+
+def _mount_overlay(req: dict, lowers: list[str]) -> str:
+    """Mount the overlay root (read-only `lowers`, top first, under the sandbox's writable layer) at req['root']."""
     root = req["root"]
-    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    opts = f"lowerdir={':'.join(req['lowers'])},upperdir={req['upper']},workdir={req['work']}"
+    opts = f"lowerdir={':'.join(lowers)},upperdir={req['upper']},workdir={req['work']}"
     if req.get("userns"):
         opts += ",userxattr"
     # nodev: device nodes work only on /dev (a separate tmpfs holding bind mounts of the safe ones).
     linux.mount("overlay", root, "overlay", linux.MS_NODEV, opts)
+    return root
+
+
+def _mount_specials(base: str, req: dict) -> None:
+    """Fresh /proc (masked, partly read-only), a minimal /dev and /tmp under `base`."""
     nosuid = linux.MS_NOSUID | linux.MS_NODEV
-    linux.mount("proc", f"{root}/proc", "proc", nosuid | linux.MS_NOEXEC)
-    dev = f"{root}/dev"
+    linux.mount("proc", f"{base}/proc", "proc", nosuid | linux.MS_NOEXEC)
+    dev = f"{base}/dev"
     linux.mount("tmpfs", dev, "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "mode=755,size=256k")
     for node in DEV_NODES:
         open(f"{dev}/{node}", "w").close()
@@ -68,19 +80,65 @@ def _mount_root(req: dict) -> str:
                 "newinstance,ptmxmode=0666,mode=620")
     os.mkdir(f"{dev}/shm")
     linux.mount("tmpfs", f"{dev}/shm", "tmpfs", nosuid, "mode=1777,size=64m")
-    linux.mount("tmpfs", f"{root}/tmp", "tmpfs", nosuid, f"mode=1777,size={int(req.get('tmp_mb') or 256)}m")
-    if req.get("egress_dir"):
-        os.makedirs(f"{root}/run/rlyard", exist_ok=True)
-        linux.mount(req["egress_dir"], f"{root}/run/rlyard", None, linux.MS_BIND)
+    linux.mount("tmpfs", f"{base}/tmp", "tmpfs", nosuid, f"mode=1777,size={int(req.get('tmp_mb') or 256)}m")
     for name in MASKED:
-        if os.path.exists(f"{root}/proc/{name}"):
-            linux.mount(f"{dev}/null", f"{root}/proc/{name}", None, linux.MS_BIND)
+        if os.path.exists(f"{base}/proc/{name}"):
+            linux.mount(f"{dev}/null", f"{base}/proc/{name}", None, linux.MS_BIND)
     for name in READ_ONLY:
-        p = f"{root}/proc/{name}"
+        p = f"{base}/proc/{name}"
         if os.path.isdir(p):
             linux.mount(p, p, None, linux.MS_BIND | linux.MS_REC)
             linux.mount(None, p, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_REC)
+
+
+def _mount_root(req: dict) -> str:
+    """Mount the sandbox's filesystem tree under req['root'] (in the new mount namespace)."""
+    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    root = _mount_overlay(req, req["lowers"])
+    _mount_specials(root, req)
+    if req.get("egress_dir"):
+        os.makedirs(f"{root}/run/rlyard", exist_ok=True)
+        linux.mount(req["egress_dir"], f"{root}/run/rlyard", None, linux.MS_BIND)
     return root
+
+
+def _attach_root(req: dict, lowers: list[str]) -> str:
+    """A blank's second half: mount the overlay root, then move the staged /proc, /dev and /tmp into it."""
+    if not lowers or not all(isinstance(x, str) and x.startswith("/") for x in lowers):
+        raise ValueError("attach needs the absolute paths of the read-only layers")
+    root = _mount_overlay(req, lowers)
+    for name in SPECIAL_MOUNTS:
+        linux.mount(f"{req['stage']}/{name}", f"{root}/{name}", None, linux.MS_MOVE)
+    return root
+
+
+def _await_attach(listener: socket.socket) -> tuple[socket.socket, list[str]]:
+    """Block until the service sends this blank its layers (op "attach"); other requests are refused."""
+    while True:
+        conn, _ = listener.accept()
+        conn.settimeout(30)
+        try:
+            _, payload = read_frame(conn)
+            req = json.loads(payload)
+            if isinstance(req, dict) and req.get("op") == "attach" and isinstance(req.get("lowers"), list):
+                return conn, req["lowers"]
+            conn.sendall(wire.json_frame(wire.REPLY, {"ok": False, "code": "failed_precondition",
+                                                      "message": "this sandbox is not started yet"}))
+        except (OSError, ValueError, EOFError):
+            pass
+        conn.close()
+
+
+def _lock_down(req: dict, bounding_dropped: bool = False) -> None:
+    """Pivot into the mounted root and drop privileges: nothing after this can mount or widen them."""
+    root = req["root"]
+    os.chdir(root)
+    linux.pivot_root(".", ".")
+    linux.umount2(".", linux.MNT_DETACH)
+    os.chdir("/")
+    linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
+    linux.drop_capabilities(bounding=not bounding_dropped)
+    seccomp.install()
 
 
 def _set_rlimits(req: dict) -> None:
@@ -111,10 +169,23 @@ def _wait_joined(join_r: int) -> None:
     os.close(join_r)
 
 
+def _open_helper(path: str) -> int:
+    """The exec helper, kept open (close-on-exec, above the fds a command gets) so that it stays reachable
+    after pivot_root as /proc/self/fd/N; -1 without one."""
+    if not path:
+        return -1
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return high
+
+
 def _init_main(req: dict, ready_w: int, listener: socket.socket, join_r: int) -> None:
     """Runs as the sandbox's init; never returns. No command runs before it has joined its cgroups."""
+    blank = False
     try:
         linux.set_process_name("rlyard-init")
+        helper_fd = _open_helper(req.get("exec_helper") or "")
         backend = req["backend"]
         if backend == "process":
             base = req["base"]
@@ -123,25 +194,22 @@ def _init_main(req: dict, ready_w: int, listener: socket.socket, join_r: int) ->
             _set_rlimits(req)
             linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
             _wait_joined(join_r)
-            init = Init(listener, home="/", base=base)
+            init = Init(listener, home="/", base=base, helper_fd=helper_fd)
+        elif req.get("blank"):
+            # Everything but the root filesystem, which the attach brings (see _finish_blank).
+            linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+            _mount_specials(req["stage"], req)
+            _prepare_process(req, join_r)
+            linux.drop_bounding()  # the mounts still to come need only the effective set
+            init = Init(listener, home=req.get("home") or "/root", helper_fd=helper_fd)
+            blank = True
         else:
-            root = _mount_root(req)
-            linux.sethostname(req.get("hostname") or "sandbox")
-            linux.loopback_up()
-            os.chdir(root)
-            linux.pivot_root(".", ".")
-            linux.umount2(".", linux.MNT_DETACH)
-            os.chdir("/")
-            _set_rlimits(req)
-            _protect_from_oom()
-            _wait_joined(join_r)
-            linux.unshare(linux.CLONE_NEWCGROUP)  # after joining: the sandbox's own group is its cgroup root
-            linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
-            linux.drop_capabilities()
-            seccomp.install()
+            _mount_root(req)
+            _prepare_process(req, join_r)
+            _lock_down(req)
             if req.get("egress_dir"):
                 egress_relay.start(3128, "/run/rlyard/egress.sock")
-            init = Init(listener, home=req.get("home") or "/root")
+            init = Init(listener, home=req.get("home") or "/root", helper_fd=helper_fd)
         linux.prctl(linux.PR_SET_DUMPABLE, 0)
         os.write(ready_w, b"ok\n")
         os.close(ready_w)
@@ -152,9 +220,38 @@ def _init_main(req: dict, ready_w: int, listener: socket.socket, join_r: int) ->
         finally:
             os._exit(1)
     try:
+        if blank:
+            _finish_blank(req, listener)
         init.serve()
     finally:
         os._exit(0)
+
+
+def _prepare_process(req: dict, join_r: int) -> None:
+    """Hostname, loopback, limits; then wait to be in the sandbox's cgroups and make that the cgroup root."""
+    linux.sethostname(req.get("hostname") or "sandbox")
+    linux.loopback_up()
+    _set_rlimits(req)
+    _protect_from_oom()
+    _wait_joined(join_r)
+    linux.unshare(linux.CLONE_NEWCGROUP)  # after joining: the sandbox's own group is its cgroup root
+
+
+def _finish_blank(req: dict, listener: socket.socket) -> None:
+    """A blank sandbox's init waits for its layers, mounts its root, locks down and answers the attach."""
+    conn, lowers = _await_attach(listener)
+    try:
+        _attach_root(req, lowers)
+        _lock_down(req, bounding_dropped=True)
+        conn.sendall(wire.json_frame(wire.REPLY, {"ok": True}))
+        conn.close()
+    except BaseException as e:  # noqa: BLE001 - report to the service, then die (the sandbox is unusable)
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip().replace("\n", " ")
+        try:
+            conn.sendall(wire.json_frame(wire.REPLY, {"ok": False, "code": "internal",
+                                                      "message": f"sandbox root setup failed: {detail}"}))
+        finally:
+            os._exit(1)
 
 
 def _middle(req: dict, ready_w: int) -> None:

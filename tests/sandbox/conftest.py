@@ -90,14 +90,19 @@ def start_service(home: Path, *args: str, grpc_port: int | None = None, http_por
     raise RuntimeError(f"service did not come up: {log.read_text()[-2000:]}")
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def serve(tmp_path_factory, name: str, *args: str):
+    """Body of a module-scoped service fixture: a service in a fresh home, stopped and removed after."""
     need_namespace_backend()
-    home = tmp_path_factory.mktemp("sbhome")
-    svc = start_service(home, "--on-exit", "kill", "--max-sandboxes", "40", "--exec-timeout", "20")
+    home = tmp_path_factory.mktemp(name)
+    svc = start_service(home, *args)
     yield svc
     svc.stop()
     shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    yield from serve(tmp_path_factory, "sbhome", "--on-exit", "kill", "--max-sandboxes", "40", "--exec-timeout", "20")
 
 
 @pytest.fixture
