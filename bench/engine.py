@@ -4,18 +4,27 @@ Both run in this process on the same prompts, greedy, with fixed output
 lengths (ignore_eos / min_new_tokens), one after the other:
   * baseline: `model.generate` on all `c` prompts as one padded batch;
   * engine: rlyard's engine served over HTTP (uvicorn in a thread), `c`
-    concurrent /generate requests through SGLangClient (continuous batching).
-Output tokens/s = c × max_new_tokens / wall time (best of --repeats).
+    concurrent /generate requests through SGLangClient (continuous batching);
+    by default one pooled client in a thread of this process (its CPU time
+    competes with the server for the GIL), `--client process` sends them from
+    a separate process with one client per stream.
+Output tokens/s = c × max_new_tokens / wall time (best of --repeats); the
+table adds the engine's decode steps/s and prefill passes of that best run.
 
     python bench/engine.py                       # CPU, SmolLM2-135M, short outputs
-    python bench/engine.py --device cuda:0 --shape qwen2.5-0.5b --max-new-tokens 128
-Writes bench/results/engine_<device kind>.json and prints a table.
+    python bench/engine.py --device cuda:0       # H200: Qwen2.5-0.5B shape, bf16, 128 in / 128 out
+    python bench/engine.py --shape tiny --prompt-len 128 --max-new-tokens 128 --repeats 5
+                                                 # scheduler-overhead proxy: 2 layers, hidden 64
+Writes bench/results/engine_<device kind>.json (or --out) and prints a table.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
 import json
+import multiprocessing
 import pathlib
 import platform
 import sys
@@ -35,7 +44,17 @@ QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, n
                 max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu")
 
 
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=4096)
+
+
 def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    if shape == "tiny":  # Python-overhead proxy: the forward costs next to nothing, scheduling dominates
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**TINY)).to(dtype)
+        return model.eval(), "tiny Llama (2 layers, hidden 64, vocab 4096), random weights"
     if shape == "qwen2.5-0.5b":
         from transformers import Qwen2Config, Qwen2ForCausalLM
         cfg = Qwen2Config(**QWEN_05B)
@@ -75,7 +94,7 @@ def baseline(model, batch: list[list[int]], new_tokens: int, device: torch.devic
 class Server:
     """The engine app under uvicorn in a background thread of this process."""
 
-    def __init__(self, model, max_running: int, context: int) -> None:
+    def __init__(self, model, max_running: int, context: int, overlap: bool | None = None) -> None:
         import uvicorn
 
         from services.engine.engine import Engine
@@ -83,6 +102,8 @@ class Server:
         from services.engine.server import EngineHolder, create_app
         runner = ModelRunner(model, max_slots=max_running, context_len=context)
         self.engine = Engine(runner, tokenizer=None, model_path="bench")
+        if overlap is not None:  # before the first request: nothing is in flight yet
+            self.engine.scheduler.overlap = overlap
         self.engine.start()
         self.port = free_port()
         config = uvicorn.Config(create_app(EngineHolder(engine=self.engine)), host="127.0.0.1", port=self.port,
@@ -97,24 +118,54 @@ class Server:
         self.engine.stop()
 
 
+_COUNTERS = ("decode_steps", "prefill_passes", "prefill_tokens")
+
+
 async def engine_levels(url: str, work: list[list[int]], levels: list[int], new_tokens: int,
-                        repeats: int) -> dict[int, float]:
-    """Best wall time per concurrency level; one pooled client, as rollout uses it, warmed per level."""
+                        repeats: int, shared_client: bool = False) -> dict[int, dict]:
+    """Best run per concurrency level (wall seconds and the engine's counters over it), each level warmed up.
+
+    `shared_client`: one pooled SGLangClient sends all `c` requests, as rollout does; otherwise
+    every concurrent stream has its own client, as `c` independent users would.
+    """
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    best: dict[int, float] = {}
-    async with SGLangClient(url, timeout=600) as client:
-        await client.wait_ready(120)
+    best: dict[int, dict] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        first = await stack.enter_async_context(SGLangClient(url, timeout=600))
+        await first.wait_ready(120)
+        count = max(levels)
+        clients = [first] * count if shared_client else \
+            [first] + [await stack.enter_async_context(SGLangClient(url, timeout=600)) for _ in range(count - 1)]
         for c in levels:
             batch = work[:c]
-            await asyncio.gather(*(client.generate(p, {**params, "max_new_tokens": 4}) for p in batch))  # warm-up
+            await asyncio.gather(*(cl.generate(p, {**params, "max_new_tokens": 4})
+                                   for cl, p in zip(clients, batch)))  # warm-up
             for _ in range(repeats):
+                before = (await first.server_info())["internal_states"][0]
                 t = time.perf_counter()
-                replies = await asyncio.gather(*(client.generate(p, params) for p in batch))
+                replies = await asyncio.gather(*(cl.generate(p, params) for cl, p in zip(clients, batch)))
                 elapsed = time.perf_counter() - t
+                after = (await first.server_info())["internal_states"][0]
                 tokens = sum(r["meta_info"]["completion_tokens"] for r in replies)
                 assert tokens == c * new_tokens, tokens
-                best[c] = min(best.get(c, float("inf")), elapsed)
+                if elapsed < best.get(c, {}).get("seconds", float("inf")):
+                    best[c] = {"seconds": elapsed, **{k: after[k] - before[k] for k in _COUNTERS}}
     return best
+
+
+def _drive(url: str, work: list[list[int]], level: int, new_tokens: int, repeats: int,
+           shared_client: bool) -> dict[int, dict]:
+    """Load-generator process body (spawned): the client's CPU time stays off the server's GIL."""
+    return asyncio.run(engine_levels(url, work, [level], new_tokens, repeats, shared_client))
+
+
+def run_level(url: str, work: list[list[int]], level: int, new_tokens: int, repeats: int, client: str,
+              pool: concurrent.futures.Executor | None) -> dict:
+    """Best run at one level: wall seconds and the engine's counters over it (decode steps, prefill passes)."""
+    shared = client == "thread-shared"
+    if client == "process":
+        return pool.submit(_drive, url, work, level, new_tokens, repeats, False).result()[level]
+    return asyncio.run(engine_levels(url, work, [level], new_tokens, repeats, shared))[level]
 
 
 def main() -> None:
@@ -128,6 +179,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 16 on cpu, 128 on cuda")
     ap.add_argument("--repeats", type=int, default=None, help="default 1 on cpu, 3 on cuda")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (cpu runs only)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read each decode step before launching the next (the GPU default overlaps them)")
+    ap.add_argument("--client", choices=["thread-shared", "thread", "process"], default="thread-shared",
+                    help="the load generator: one shared pooled client in a thread of this process (default, the "
+                         "first session's setting, so figures stay comparable), one client per stream in a thread, "
+                         "or one client per stream in a separate process (the client's CPU off the server's GIL)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -145,22 +202,31 @@ def main() -> None:
 
     rows = []
     baseline(model, work[:2], 4, device)  # warm-up
-    server = Server(model, max_running=max(levels), context=prompt_len + new_tokens + 8)
-    base, eng = {}, {}
+    server = Server(model, max_running=max(levels), context=prompt_len + new_tokens + 8,
+                    overlap=False if args.no_overlap else None)
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) \
+        if args.client == "process" else None
+    base, eng, stats = {}, {}, {}
     try:
         for c in levels:  # side by side per level, so both see the same machine load
             base[c] = min(baseline(model, work[:c], new_tokens, device) for _ in range(repeats))
-            eng.update(asyncio.run(engine_levels(f"http://127.0.0.1:{server.port}", work, [c], new_tokens, repeats)))
+            stats[c] = run_level(f"http://127.0.0.1:{server.port}", work, c, new_tokens, repeats, args.client, pool)
+            eng[c] = stats[c]["seconds"]
             print(f"c={c}: baseline {c * new_tokens / base[c]:.1f} tok/s, engine {c * new_tokens / eng[c]:.1f} tok/s",
                   flush=True)
         info = server.engine.server_info()
     finally:
+        if pool is not None:
+            pool.shutdown()
         server.stop()
     for c in levels:
         tokens = c * new_tokens
         rows.append({"concurrency": c, "output_tokens": tokens,
                      "baseline_tok_s": round(tokens / base[c], 1), "engine_tok_s": round(tokens / eng[c], 1),
-                     "ratio": round(base[c] / eng[c], 3), "baseline_s": round(base[c], 4), "engine_s": round(eng[c], 4)})
+                     "ratio": round(base[c] / eng[c], 3), "baseline_s": round(base[c], 4), "engine_s": round(eng[c], 4),
+                     "engine_decode_steps": stats[c]["decode_steps"],
+                     "engine_steps_per_s": round(stats[c]["decode_steps"] / eng[c], 1),
+                     "engine_prefill_passes": stats[c]["prefill_passes"]})
 
     kind = "gpu" if gpu else "cpu"
     result = {
@@ -168,16 +234,18 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine(),
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "model": model_desc, "dtype": str(dtype).removeprefix("torch."), "prompt_len": prompt_len,
-        "max_new_tokens": new_tokens, "repeats": repeats,
+        "max_new_tokens": new_tokens, "repeats": repeats, "client": args.client,
         "cpu_threads": None if gpu else torch.get_num_threads(), "engine_decode": info.get("decode_mode", "eager"),
+        "engine_overlap": getattr(server.engine.scheduler, "overlap", False),
         "rows": rows,
     }
     out = pathlib.Path(args.out or ROOT / "bench" / "results" / f"engine_{kind}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'conc':>5} {'baseline tok/s':>15} {'engine tok/s':>13} {'ratio':>6}")
+    print(f"\n{'conc':>5} {'baseline tok/s':>15} {'engine tok/s':>13} {'ratio':>6} {'steps/s':>8} {'prefills':>9}")
     for r in rows:
-        print(f"{r['concurrency']:>5} {r['baseline_tok_s']:>15} {r['engine_tok_s']:>13} {r['ratio']:>6}")
+        print(f"{r['concurrency']:>5} {r['baseline_tok_s']:>15} {r['engine_tok_s']:>13} {r['ratio']:>6} "
+              f"{r['engine_steps_per_s']:>8} {r['engine_prefill_passes']:>9}")
     print(f"wrote {out}")
 
 

@@ -45,7 +45,7 @@ class GraphDecoder:
             size *= 2
         return min(size, self.runner.capacity)
 
-    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor | None:
+    def decode(self, slots: list[int], tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor | None:
         """Logits for the given rows, or None when graphs are unusable (the caller decodes eagerly)."""
         if self.failed:
             return None
@@ -56,17 +56,25 @@ class GraphDecoder:
         with torch.cuda.device(self.runner.device):
             return self._decode(slots, tokens, positions)
 
-    def _decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor | None:
+    def _decode(self, slots: list[int], tokens: list[int] | torch.Tensor,
+                positions: list[int]) -> torch.Tensor | None:
         b = next(x for x in self.batch_buckets if x >= max(slots) + 1)
         length = self._len_bucket(max(positions) + 1)
-        host = torch.zeros(2, b, dtype=torch.long)
-        host[0, slots] = torch.tensor(tokens)
-        host[1, slots] = torch.tensor(positions)
-        self.inputs[:, :b].copy_(host, non_blocking=True)  # one host-to-device copy per step
-        if slots == list(range(len(slots))):
-            index = slice(0, len(slots))
+        n = len(slots)
+        on_device = isinstance(tokens, torch.Tensor)
+        if slots == list(range(n)):
+            pad = [0] * (b - n)
+            host = torch.tensor([[0] * b if on_device else tokens + pad, positions + pad], dtype=torch.long)
+            index = slice(0, n)
         else:
-            index = torch.tensor(slots, device=self.runner.device)
+            tok, pos = [0] * b, [0] * b
+            for i, (slot, p) in enumerate(zip(slots, positions)):
+                tok[slot], pos[slot] = (0 if on_device else tokens[i]), p
+            host = torch.tensor([tok, pos], dtype=torch.long)
+            index = torch.tensor(slots).to(self.runner.device, non_blocking=True)  # (device= would sync the stream)
+        self.inputs[:, :b].copy_(host, non_blocking=True)  # one host-to-device copy per step
+        if on_device:  # the previous step's samples, still on the device: scatter them into the token row
+            self.tok[index] = tokens.to(self.runner.device, torch.long)
         if not self.capture:
             return self.runner.decode_rows(self.tok[:b], self.pos[:b], 0, length)[index]
         entry = self.graphs.get((b, length))

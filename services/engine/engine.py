@@ -91,6 +91,8 @@ class EngineConfig:
     weight_update_session_timeout_s: float = 600.0
     cuda_graph: bool = True
     cuda_graph_max_len: int = 2048
+    fp32_lm_head: bool = False
+    load_format: str = "auto"
 
 
 class Engine:
@@ -129,7 +131,7 @@ class Engine:
         device = torch.device(cfg.device)
         dtype = parse_dtype(cfg.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
         path = resolve_model(cfg.model)
-        model = load_model(path, device, dtype)
+        model = load_model(path, device, dtype, cfg.load_format)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # weights-only folders still serve token ids (text fields stay empty)
@@ -137,6 +139,7 @@ class Engine:
             tokenizer = None
         runner = ModelRunner(model, max_slots=cfg.max_running_requests, context_len=cfg.context_length,
                              cuda_graph=cfg.cuda_graph and device.type == "cuda", graph_max_len=cfg.cuda_graph_max_len)
+        runner.fp32_lm_head = cfg.fp32_lm_head
         return cls(runner, tokenizer, str(path), cfg.require_weight_update_session,
                    cfg.weight_update_session_timeout_s)
 
@@ -175,7 +178,9 @@ class Engine:
                 "paused": s.paused, "weight_update_session_open": self.session_open,
                 "require_weight_update_session": self.require_session,
                 "internal_states": [{"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
-                                     "forward_steps": s.steps, "generated_tokens": s.generated_tokens,
+                                     "forward_steps": s.steps, "decode_steps": s.decode_steps,
+                                     "prefill_passes": s.prefill_passes, "prefill_tokens": s.prefill_tokens,
+                                     "generated_tokens": s.generated_tokens,
                                      "kv_cache_bytes": self.runner.cache_bytes(),
                                      "kv_cache_capacity_tokens": self.runner.capacity}],
                 "uptime_s": round(time.time() - self.started, 1)}
@@ -312,13 +317,14 @@ class Engine:
         if self.require_session and not self.session_open:
             raise BadRequest(f"{what} must run between begin_weight_update() and end_weight_update()")
 
-    async def _load(self, named: weights.NamedTensors, version: Any, flush: bool) -> str:
+    async def _load(self, named: weights.NamedTensors, version: Any, flush: bool,
+                    ipc_events: list | None = None) -> str:
         if version is not None and not isinstance(version, str):
             raise BadRequest("weight_version must be a string")
 
         def load() -> int:
             pairs = weights.check(self.runner, named)
-            count = weights.apply(pairs)
+            count = weights.apply(pairs, ipc_events)
             if version is not None:
                 self.scheduler.weight_version = version
             if flush:
@@ -334,16 +340,30 @@ class Engine:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         self._check_session("update_weights_from_tensor")
+        t0, reused = time.perf_counter(), weights.IPC_MAPPINGS.reused
+        serialized, events = body.get("serialized_named_tensors"), []
         try:
-            named = await asyncio.to_thread(weights.decode_tensor_payload, body.get("serialized_named_tensors"),
-                                            body.get("load_format"))
+            if isinstance(serialized, list) and sum(len(s) for s in serialized if isinstance(s, (str, bytes))) < 1 << 20:
+                # handles and metadata only: decoding takes about a millisecond, less than a thread hop costs
+                named = weights.decode_tensor_payload(serialized, body.get("load_format"), events)
+            else:  # tensors pickled by value: keep the event loop free while they are rebuilt
+                named = await asyncio.to_thread(weights.decode_tensor_payload, serialized,
+                                                body.get("load_format"), events)
         except weights.WeightUpdateError as exc:
             raise BadRequest(str(exc)) from exc
+        t1 = time.perf_counter()
         try:
             async with self._update_slot(bool(body.get("abort_all_requests"))):
-                return await self._load(named, body.get("weight_version"), body.get("flush_cache", True) is not False)
+                t2 = time.perf_counter()
+                message = await self._load(named, body.get("weight_version"),
+                                           body.get("flush_cache", True) is not False, events)
+            log.info("update_weights_from_tensor: %d tensors; decode %.2f ms (%s), wait %.2f ms, load %.2f ms",
+                     len(named), (t1 - t0) * 1e3,
+                     "held buffer" if weights.IPC_MAPPINGS.reused > reused else "new buffer",
+                     (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
+            return message
         finally:
-            del named  # drop the shared-memory / CUDA-IPC mappings before replying
+            del named  # drop this request's views; IPC mappings stay only in weights.IPC_MAPPINGS
 
     async def update_weights_from_disk(self, body: Any) -> str:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):

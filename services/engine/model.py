@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.common.numerics import fp32_logits
+
 log = logging.getLogger(__name__)
 
 SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
@@ -59,9 +61,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_model(path: str | pathlib.Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+LOAD_FORMATS = ("auto", "dummy")
 
+
+def load_model(path: str | pathlib.Path, device: torch.device, dtype: torch.dtype,
+               load_format: str = "auto") -> torch.nn.Module:
+    """The folder's model on `device`; load_format "dummy" (as SGLang's) reads only config.json and
+    initialises random weights on the device, for benchmarks that replace the weights anyway."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype)
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval()
 
@@ -211,36 +225,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Run padded prompts through the model, filling their slots from position 0.
+        """Run right-padded prompts through the model in one pass, filling their slots from position 0.
 
+        Plain causal attention is exact for right padding: a real token never sees the padding after
+        it, and the padding's keys land in the cache past the row's length, where decode (which
+        attends only to positions <= its own) never looks before overwriting them. No mask tensor,
+        so SDPA can use its flash kernels (GPU and CPU).
         Returns the final hidden states [rows, max_len, hidden] (after the last norm).
         """
-        lengths = [len(p) for p in prompts]
-        t = max(lengths)
+        t = max(len(p) for p in prompts)
         self.ensure_capacity(t, max(slots) + 1)
-        ids = torch.zeros((len(prompts), t), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        lens = torch.tensor(lengths, device=self.device)
+        # non_blocking: a plain host-to-device copy would wait for the stream (a step may still be in flight)
+        ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], dtype=torch.long).to(self.device,
+                                                                                           non_blocking=True)
         pos = torch.arange(t, device=self.device)
-        # query i sees key j when j <= i and j is a real token of its row
-        mask = (pos[None, :] <= pos[:, None])[None, None] & (pos[None, None, None, :] < lens[:, None, None, None])
-        slot_idx = torch.tensor(slots, device=self.device)
+        slot_idx = torch.tensor(slots).to(self.device, non_blocking=True)
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos[None, :].expand(len(prompts), t))
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(li, layer, rms_norm(layer.input_layernorm, x), cos, sin)
             self.k_cache[li][slot_idx, :, :t] = k
             self.v_cache[li][slot_idx, :, :t] = v
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
                                                  enable_gqa=self.n_kv != self.n_heads)
             x = self._finish_layer(li, layer, x, out)
         return rms_norm(self.norm, x)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One step: token i sits at positions[i] of slot slots[i]; returns float32 logits [rows, vocab]."""
+    def decode(self, slots: list[int], tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """One step: token i sits at positions[i] of slot slots[i]; returns float32 logits [rows, vocab].
+
+        `tokens` may be a long tensor already on the device (the previous step's samples, not yet on the host).
+        """
         b = len(slots)
         length = max(positions) + 1
         self.ensure_capacity(length, max(slots) + 1)
@@ -248,7 +264,10 @@ class ModelRunner:
             out = self.graphs.decode(slots, tokens, positions)
             if out is not None:
                 return out
-        tok = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        if isinstance(tokens, torch.Tensor):
+            tok = tokens.to(self.device, torch.long)
+        else:
+            tok = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
         posl = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         if slots == list(range(slots[0], slots[0] + b)):  # a view of the batch's slots: no gather needed
             return self.decode_rows(tok, posl, slots[0], length)
@@ -283,8 +302,13 @@ class ModelRunner:
             x = self._finish_layer(li, layer, x, out)
         return self.logits(rms_norm(self.norm, x)[:, 0])
 
+    # --enable-fp32-lm-head: logits leave the projection in fp32 (see services.common.numerics).
+    fp32_lm_head = False
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fp32_lm_head:
+            return fp32_logits(hidden, self.lm_head.weight)
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()

@@ -9,7 +9,6 @@ does not depend on which other requests share the batch.
 from __future__ import annotations
 
 import dataclasses
-import random
 from typing import Any
 
 import torch
@@ -158,17 +157,21 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
 
 @dataclasses.dataclass
 class BatchSampling:
-    """Per-row sampling settings of one forward batch, as tensors on the model's device."""
+    """Per-row sampling settings of one forward batch, as tensors on the model's device.
+
+    Built once per batch composition: while the same rows keep decoding, `advanced()` moves the
+    positions on by one on the device, so a step uploads nothing.
+    """
 
     # All tensors are None when every row is greedy.
-    temperature: torch.Tensor  # float32, 1.0 for greedy rows
-    greedy: torch.Tensor  # bool
-    top_k: torch.Tensor  # int64, vocab for "no limit"
-    top_p: torch.Tensor  # float32
-    min_p: torch.Tensor  # float32
-    seeded: torch.Tensor  # bool
-    seeds: torch.Tensor  # int64
-    positions: torch.Tensor  # int64, index of the token being sampled
+    temperature: torch.Tensor | None  # float32, 1.0 for greedy rows
+    greedy: torch.Tensor | None  # bool
+    top_k: torch.Tensor | None  # int64, vocab for "no limit"
+    top_p: torch.Tensor | None  # float32
+    min_p: torch.Tensor | None  # float32
+    seeded_rows: torch.Tensor | None  # int64 indices of rows with a sampling_seed; None when there are none
+    seeds: torch.Tensor | None  # int64, of the seeded rows
+    positions: torch.Tensor | None  # int64, index of the token being sampled, of the seeded rows
     needs_truncation: bool
     all_greedy: bool
 
@@ -177,11 +180,11 @@ class BatchSampling:
               device: torch.device) -> "BatchSampling":
         greedy = [p.greedy for p in params]
         if all(greedy):  # the common RL-eval / benchmark case: no per-row tensors needed
-            return cls(*(None,) * 8, needs_truncation=False, all_greedy=True)
+            return cls(None, None, None, None, None, None, None, None, needs_truncation=False, all_greedy=True)
         top_k = [vocab if (p.top_k < 0 or p.top_k > vocab) else p.top_k for p in params]
         trunc = any(not g and (k < vocab or p.top_p < 1.0 or p.min_p > 0.0)
                     for g, k, p in zip(greedy, top_k, params))
-        seeds = [p.sampling_seed if p.sampling_seed is not None else random.getrandbits(62) for p in params]
+        seeded = [i for i, p in enumerate(params) if p.sampling_seed is not None]
 
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -189,15 +192,23 @@ class BatchSampling:
             temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
             greedy=t(greedy, torch.bool), top_k=t(top_k, torch.int64),
             top_p=t([p.top_p for p in params], torch.float32), min_p=t([p.min_p for p in params], torch.float32),
-            seeded=t([p.sampling_seed is not None for p in params], torch.bool), seeds=t(seeds, torch.int64),
-            positions=t(positions, torch.int64), needs_truncation=trunc, all_greedy=False)
+            seeded_rows=t(seeded, torch.int64) if seeded else None,
+            seeds=t([params[i].sampling_seed for i in seeded], torch.int64) if seeded else None,
+            positions=t([positions[i] for i in seeded], torch.int64) if seeded else None,
+            needs_truncation=trunc, all_greedy=False)
+
+    def advanced(self) -> "BatchSampling":
+        """The same rows one token later."""
+        if self.positions is None:
+            return self
+        return dataclasses.replace(self, positions=self.positions + 1)
 
 
 def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of float32 `logits` [rows, vocab]; returns (token ids, their logprobs)."""
     if s.all_greedy:  # log_softmax at T=1 of the argmax token, without materialising all logprobs
-        tokens = logits.argmax(dim=-1)
-        return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        best, tokens = logits.max(dim=-1)  # one pass for the token and its logit (first index on ties, as argmax)
+        return tokens, best - torch.logsumexp(logits, dim=-1)
     logprobs = torch.log_softmax(logits / s.temperature[:, None], dim=-1)
     allowed = logprobs
     if s.needs_truncation:
@@ -211,9 +222,8 @@ def sample(logits: torch.Tensor, s: BatchSampling) -> tuple[torch.Tensor, torch.
         allowed = torch.full_like(logprobs, float("-inf")).scatter(1, order, sorted_lp.masked_fill(~keep, float("-inf")))
     # Gumbel-max: argmax(log p + G) samples from p. Seeded rows take hashed noise, the rest fresh noise.
     uniform = torch.rand_like(logits)
-    if bool(s.seeded.any()):
-        rows = s.seeded.nonzero()[:, 0]
-        uniform[rows] = seeded_uniform(s.seeds[rows], s.positions[rows], logits.shape[-1])
+    if s.seeded_rows is not None:  # row indices known on the host: no device sync here
+        uniform[s.seeded_rows] = seeded_uniform(s.seeds, s.positions, logits.shape[-1])
     gumbel = -torch.log(-torch.log(uniform))
     tokens = torch.where(s.greedy, logits.argmax(dim=-1), (allowed + gumbel).argmax(dim=-1))
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]

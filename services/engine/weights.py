@@ -2,11 +2,20 @@
 
 Validation (names, shapes, finite dtypes) happens before the first copy, so
 a bad update changes nothing. The copy itself runs in the scheduler thread
-between decode steps (see `Scheduler.call`).
+between decode steps (see `Scheduler.call`), as one multi-tensor copy per
+device.
+
+CUDA-IPC handles: opening one maps the sender's memory, which costs
+milliseconds, and PyTorch reuses an open mapping only while someone still
+holds it. `IpcMappings` holds the few most recent ones, so a trainer that
+sends from the same staging buffers every sync (rlyard's does) pays that
+once.
 """
 from __future__ import annotations
 
+import collections
 import pathlib
+import threading
 from typing import Any
 
 import torch
@@ -21,21 +30,88 @@ class WeightUpdateError(ValueError):
     """A weight update was refused; the model is unchanged."""
 
 
-def decode_tensor_payload(serialized: Any, load_format: str | None) -> NamedTensors:
-    """Turn `serialized_named_tensors` (one base64 string per TP rank; we are rank 0) into (name, tensor)."""
+class IpcMappings:
+    """Keeps the CUDA storages of the last `size` payload buffers alive (see module doc), with the
+    views cut from them, so the same buffer with the same metadata is decoded without any
+    per-tensor work.
+
+    A sender that frees a buffer we still hold only leaves its memory mapped here
+    until `size` newer buffers have arrived; `clear()` lets them all go at once.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        # storage data_ptr -> (storage, {signature: views})
+        self._held: collections.OrderedDict[int, tuple[torch.UntypedStorage, dict]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.reused = 0  # decodes served from held views (observable in tests and logs)
+
+    def _entry(self, t: torch.Tensor) -> dict:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._held.pop(key, None)
+        if entry is None:
+            entry = (storage, {})
+        self._held[key] = entry
+        while len(self._held) > self.size:
+            self._held.popitem(last=False)
+        return entry[1]
+
+    def hold(self, tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            for t in tensors:
+                if t.is_cuda:
+                    self._entry(t)
+
+    def unflatten(self, flat: torch.Tensor, metadata: Any) -> NamedTensors:
+        """weight_wire.unflatten_bucket, remembered per held CUDA buffer and metadata."""
+        if not isinstance(flat, torch.Tensor) or not flat.is_cuda:
+            return weight_wire.unflatten_bucket(flat, metadata)
+        try:
+            sig = (flat.storage_offset(), flat.numel(), flat.dtype,
+                   tuple((m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) for m in metadata))
+        except (AttributeError, TypeError):  # malformed: let unflatten_bucket say exactly what is wrong
+            return weight_wire.unflatten_bucket(flat, metadata)
+        with self._lock:
+            views = self._entry(flat)
+            named = views.get(sig)
+            if named is not None:
+                self.reused += 1
+                return named
+        named = weight_wire.unflatten_bucket(flat, metadata)
+        with self._lock:
+            views.clear()  # one layout per buffer is what senders do; keep the newest
+            views[sig] = named
+        return named
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+IPC_MAPPINGS = IpcMappings()
+
+
+def decode_tensor_payload(serialized: Any, load_format: str | None,
+                          ipc_events: list | None = None) -> NamedTensors:
+    """Turn `serialized_named_tensors` (one base64 string per TP rank; we are rank 0) into (name, tensor).
+    `ipc_events` collects the senders' CUDA-IPC events; `apply` must wait on them."""
     if not isinstance(serialized, list) or not serialized or not isinstance(serialized[0], (str, bytes)):
         raise WeightUpdateError("serialized_named_tensors must be a non-empty list of base64 strings")
     if load_format not in (None, "direct", "flattened_bucket"):
         raise WeightUpdateError(f"unsupported load_format {load_format!r}: use null, 'direct' or 'flattened_bucket'")
     try:
-        obj = weight_wire.deserialize(serialized[0])
+        obj = weight_wire.deserialize(serialized[0], ipc_events)
     except ValueError as exc:
         raise WeightUpdateError(str(exc)) from exc
     if load_format == "flattened_bucket":
         if not isinstance(obj, dict) or set(obj) < {"flattened_tensor", "metadata"}:
             raise WeightUpdateError("flattened_bucket payload must be a dict with flattened_tensor and metadata")
         try:
-            return weight_wire.unflatten_bucket(obj["flattened_tensor"], obj["metadata"])
+            return IPC_MAPPINGS.unflatten(obj["flattened_tensor"], obj["metadata"])
         except ValueError as exc:
             raise WeightUpdateError(f"bad flattened bucket: {exc}") from exc
     if isinstance(obj, dict) and "flattened_tensor" in obj:
@@ -50,11 +126,27 @@ def decode_tensor_payload(serialized: Any, load_format: str | None) -> NamedTens
                 or not isinstance(item[1], torch.Tensor)):
             raise WeightUpdateError("direct payload items must be (name, tensor) pairs")
         named.append((item[0], item[1]))
+    IPC_MAPPINGS.hold([t for _, t in named])
     return named
 
 
+_CHECKED: collections.OrderedDict[int, tuple[ModelRunner, NamedTensors, list]] = collections.OrderedDict()
+
+
 def check(runner: ModelRunner, named: NamedTensors) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Match each name to a parameter and check shapes; WeightUpdateError lists every problem."""
+    """Match each name to a parameter and check shapes; WeightUpdateError lists every problem.
+    A views list that IpcMappings hands out again is matched once (the parameters stay put)."""
+    hit = _CHECKED.get(id(named))
+    if hit is not None and hit[0] is runner and hit[1] is named:
+        return hit[2]
+    pairs = _match(runner, named)
+    _CHECKED[id(named)] = (runner, named, pairs)
+    while len(_CHECKED) > 2 * IPC_MAPPINGS.size:
+        _CHECKED.popitem(last=False)
+    return pairs
+
+
+def _match(runner: ModelRunner, named: NamedTensors) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     params = runner.named_parameters()
     pairs, problems = [], []
     for name, tensor in named:
@@ -74,10 +166,23 @@ def check(runner: ModelRunner, named: NamedTensors) -> list[tuple[torch.nn.Param
 
 
 @torch.inference_mode()
-def apply(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> int:
-    """Copy validated tensors into the parameters; waits for the copies (CUDA IPC senders free after reply)."""
-    for param, tensor in pairs:
-        param.copy_(tensor)
+def apply(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]], ipc_events: list | None = None) -> int:
+    """Copy validated tensors into the parameters; waits for the copies (CUDA IPC senders free after reply).
+    The copies are queued behind `ipc_events`: a sender may post a buffer whose filling copy is still
+    running and mark its end with the event it shares (PyTorch's IPC protocol)."""
+    for event in ipc_events or ():
+        torch.cuda.current_stream(event.device).wait_event(event)
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for param, tensor in pairs:  # one multi-tensor kernel per (devices, dtype) instead of one copy each
+        dst, src = groups.setdefault((param.device, tensor.device, param.dtype == tensor.dtype), ([], []))
+        dst.append(param.data)
+        src.append(tensor)
+    for (_, _, same_dtype), (dst, src) in groups.items():
+        if same_dtype:
+            torch._foreach_copy_(dst, src)
+        else:
+            for d, t in zip(dst, src):
+                d.copy_(t)
     devices = {p.device for p, _ in pairs} | {t.device for _, t in pairs}
     for dev in devices:
         if dev.type == "cuda":

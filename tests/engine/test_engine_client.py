@@ -2,16 +2,35 @@
 
 The real-engine behaviour of the same client is covered by the other tests in this folder.
 """
-import httpx
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
 import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services.common.net import free_port
 from services.common.sglang_client import EngineError, SGLangClient
 
 
-def _client(app: FastAPI, **kw) -> SGLangClient:
-    return SGLangClient("http://fake", transport=httpx.ASGITransport(app=app), **kw)
+@contextlib.asynccontextmanager
+async def _client(app: FastAPI, **kw) -> AsyncIterator[SGLangClient]:
+    """A client of `app`, served for real by uvicorn on a free loopback port for the test's duration."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        async with SGLangClient(f"http://127.0.0.1:{port}", **kw) as c:
+            yield c
+    finally:
+        server.should_exit = True
+        await task
 
 
 def _fake(session: bool, calls: list, not_ready: int = 0, flush_busy: int = 0, old_info: bool = False) -> FastAPI:
