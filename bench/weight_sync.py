@@ -1,12 +1,18 @@
 """Benchmark: end-to-end weight sync trainer (cuda:0) -> engine process (cuda:1), beside a raw copy.
 
 For each model shape (random bf16 weights from the shape's config), the real
-`services.engine` runs in its own process on the engine GPU and this process
-plays the trainer: `WeightSyncer.sync(method="ipc")` (flatten, one copy per
-bucket to the engine's GPU, CUDA-IPC handle, POST /update_weights_from_tensor,
-engine load), median of N after warm-up. In the same run and process: the raw
-time of one cuda:0 -> cuda:1 copy of the same number of bytes, and of 1 GiB
-(with trainer and engine on one GPU: a device-to-device copy on that GPU).
+`services.engine` runs in its own process on the engine GPU (started with
+`--load-format dummy`: it reads config.json only) and this process plays the
+trainer, its parameters packed in a ParamArena as the trainer service packs
+them: `WeightSyncer.sync(method="ipc")` (arena slices as buckets, one copy per
+bucket into staging buffers on the engine's GPU, CUDA-IPC handle, POST
+/update_weights_from_tensor, engine load), median of N after warm-up. Beside
+it: the same without the arena (flatten per sync), and in the same run and
+process the raw time of one cuda:0 -> cuda:1 copy of the same number of
+bytes, and of 1 GiB (with trainer and engine on one GPU: a device-to-device
+copy on that GPU). Afterwards the weights are perturbed and synced three
+times through one syncer, and each time the engine's log-probs of a fixed
+sequence are checked against this process's own forward pass (`verify`).
 
     python bench/weight_sync.py --shapes smollm2-135m,qwen2.5-0.5b,qwen2.5-7b --iters 20
 
@@ -67,11 +73,17 @@ def random_model(shape: str, device: str, dtype=torch.bfloat16, seed: int = 0):
     return model.eval()
 
 
-def write_folder(model, folder: pathlib.Path, tokenizer_from: pathlib.Path | None = None) -> pathlib.Path:
-    """Save `model` as a HF folder (safetensors) the engine can load; copy a tokenizer in if given."""
+def write_folder(model, folder: pathlib.Path, tokenizer_from: pathlib.Path | None = None,
+                 config_only: bool = False) -> pathlib.Path:
+    """Save `model` as a HF folder (safetensors) the engine can load, or only its config.json for an
+    engine started with --load-format dummy; copy a tokenizer in if given."""
     if folder.exists():
         shutil.rmtree(folder)
-    model.save_pretrained(folder)
+    if config_only:
+        folder.mkdir(parents=True)
+        model.config.save_pretrained(folder)
+    else:
+        model.save_pretrained(folder)
     if tokenizer_from is not None:
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
             if (tokenizer_from / f).exists():
@@ -140,8 +152,8 @@ def raw_copy_ms(nbytes: int, src: str, dst: str, iters: int) -> float:
 
 
 async def time_sync(model, url: str, engine_device: str | None, bucket_mb: int, iters: int,
-                    warmup: int = 3, flush_cache: bool = True,
-                    method: str = "ipc") -> tuple[list[float], list[dict], int, int]:
+                    warmup: int = 3, flush_cache: bool = True, method: str = "ipc",
+                    arena=None) -> tuple[list[float], list[dict], int, int]:
     """Median-ready list of end-to-end sync times (ms) through the real WeightSyncer."""
     from services.trainer.weight_sync import WeightSyncer
     syncer = WeightSyncer(default_method=method, bucket_mb=bucket_mb, engine_device=engine_device,
@@ -152,7 +164,7 @@ async def time_sync(model, url: str, engine_device: str | None, bucket_mb: int, 
     try:
         for i in range(warmup + iters):
             report = await syncer.sync(weights, model.config, [url], method=method,
-                                       weight_version=f"b{bucket_mb}-{i}", flush_cache=flush_cache)
+                                       weight_version=f"b{bucket_mb}-{i}", flush_cache=flush_cache, arena=arena)
             if i >= warmup:
                 totals.append(report.timing["total"])
                 timings.append(report.timing)
@@ -184,6 +196,44 @@ async def engine_rtt_ms(url: str, iters: int) -> float:
     return statistics.median(times)
 
 
+async def verify(model, arena, url: str, engine_device: str | None, bucket_mb: int, rounds: int = 3) -> dict:
+    """Perturb the weights in place, sync, and compare the engine's log-probs of a fixed random
+    sequence with this process's forward pass, `rounds` times through one syncer: the first round
+    opens new staging buffers, the later ones reuse them (the engine's held mappings, and its load
+    queued behind the copy's IPC event). Every round the engine must move to the new weights."""
+    from services.common.sglang_client import SGLangClient
+    from services.trainer.weight_sync import WeightSyncer
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (48,), generator=gen).tolist()
+
+    async def engine_lp() -> torch.Tensor:
+        async with SGLangClient(url) as c:
+            r = await c.generate(ids, {"max_new_tokens": 1, "temperature": 1.0}, return_logprob=True,
+                                 logprob_start_len=0)
+        return torch.tensor([e[0] for e in r["meta_info"]["input_token_logprobs"][1:]], dtype=torch.float64)
+
+    syncer = WeightSyncer(bucket_mb=bucket_mb, engine_device=engine_device)
+    out = []
+    try:
+        for i in range(rounds):
+            before = await engine_lp()
+            with torch.no_grad():
+                for _, p in model.named_parameters():
+                    p.mul_(1.5 if i % 2 == 0 else 1 / 1.5)  # in place: the arena holds the new values
+                x = torch.tensor([ids], device=next(model.parameters()).device)
+                logits = model(x).logits[0, :-1].float()
+                want = torch.log_softmax(logits, -1).gather(1, x[0, 1:, None])[:, 0].double().cpu()
+            await syncer.sync(lambda: ((n, p.detach()) for n, p in model.named_parameters()), model.config,
+                              [url], weight_version=f"verify-{i}", arena=arena)
+            after = await engine_lp()
+            gap, moved = float((after - want).abs().mean()), float((after - before).abs().mean())
+            out.append({"engine_vs_trainer_mean_abs": round(gap, 5), "engine_moved_mean_abs": round(moved, 5),
+                        "ok": bool(gap < 0.1 * moved)})
+    finally:
+        await syncer.aclose()
+    return {"rounds": out, "ok": all(r["ok"] for r in out)}
+
+
 def median_phases(timings: list[dict]) -> dict:
     keys = sorted({k for t in timings for k in t})
     return {k: round(statistics.median(t.get(k, 0.0) for t in timings), 3) for k in keys}
@@ -193,24 +243,33 @@ async def bench_shape(shape: str, args, workdir: pathlib.Path, tokenizer: pathli
     trainer_dev, engine_dev = args.trainer_device, args.engine_device
     cuda = trainer_dev.startswith("cuda")
     t0 = time.time()
+    from services.trainer.param_arena import ParamArena
     model = random_model(shape, trainer_dev, torch.bfloat16 if cuda else torch.float32)
-    folder = write_folder(model, workdir / shape, tokenizer)
+    arena = ParamArena.pack(model)
+    folder = write_folder(model, workdir / shape, tokenizer, config_only=True)
     print(f"[{shape}] folder written in {time.time() - t0:.1f}s", flush=True)
-    engine = EngineProcess(folder, engine_dev, workdir / f"engine-{shape}.log", args.engine_args.split())
+    engine = EngineProcess(folder, engine_dev, workdir / f"engine-{shape}.log",
+                           ["--load-format", "dummy", *args.engine_args.split()])
     try:
         await engine.wait_ready()
         print(f"[{shape}] engine ready after {time.time() - t0:.1f}s", flush=True)
         variants = {}
         for bucket_mb in args.bucket_mb:
             totals, timings, nbytes, buckets = await time_sync(model, engine.url, engine_dev if cuda else None,
-                                                               bucket_mb, args.iters)
+                                                               bucket_mb, args.iters, arena=arena)
             await check_version(engine.url, f"b{bucket_mb}-{args.iters + 2}")
             variants[str(bucket_mb)] = {"sync_ms_median": round(statistics.median(totals), 3),
                                         "sync_ms_min": round(min(totals), 3), "buckets": buckets,
                                         "phases_ms_median": median_phases(timings)}
             print(f"[{shape}] bucket {bucket_mb} MiB: {variants[str(bucket_mb)]}", flush=True)
         totals, timings, _, _ = await time_sync(model, engine.url, engine_dev if cuda else None,
-                                                args.bucket_mb[0], args.iters, flush_cache=False)
+                                                args.bucket_mb[0], args.iters)
+        flatten = {"sync_ms_median": round(statistics.median(totals), 3),
+                   "phases_ms_median": median_phases(timings)}
+        print(f"[{shape}] bucket {args.bucket_mb[0]} MiB without the arena (flatten each sync): {flatten}",
+              flush=True)
+        totals, timings, _, _ = await time_sync(model, engine.url, engine_dev if cuda else None,
+                                                args.bucket_mb[0], args.iters, flush_cache=False, arena=arena)
         no_flush = {"sync_ms_median": round(statistics.median(totals), 3),
                     "phases_ms_median": median_phases(timings)}
         print(f"[{shape}] bucket {args.bucket_mb[0]} MiB without flush_cache: {no_flush}", flush=True)
@@ -226,6 +285,8 @@ async def bench_shape(shape: str, args, workdir: pathlib.Path, tokenizer: pathli
                 others[method] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"[{shape}] {method}: {others[method]}", flush=True)
         print(f"[{shape}] engine round trip (GET /model_info): {rtt:.3f} ms", flush=True)
+        checked = await verify(model, arena, engine.url, engine_dev if cuda else None, args.bucket_mb[0])
+        print(f"[{shape}] verify: {checked}", flush=True)
         raw = raw_copy_ms(nbytes, trainer_dev, engine_dev, args.iters) if cuda else None
     finally:
         engine.stop()
@@ -242,7 +303,8 @@ async def bench_shape(shape: str, args, workdir: pathlib.Path, tokenizer: pathli
            "best_bucket_mb": int(best), "best_sync_ms_median": variants[best]["sync_ms_median"],
            "raw_copy_kind": ("same-GPU device-to-device copy" if trainer_dev == engine_dev
                              else f"{trainer_dev} -> {engine_dev} copy") if cuda else None,
-           "iters": args.iters, "variants": variants, "without_flush_cache": no_flush,
+           "iters": args.iters, "variants": variants, "without_arena": flatten,
+           "without_flush_cache": no_flush, "verify": checked,
            "other_methods": others,
            "engine_http_round_trip_ms_median": round(rtt, 3),
            "device": f"trainer {trainer_dev}, engine {engine_dev} ({_gpu_name(trainer_dev)})"}

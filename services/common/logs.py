@@ -18,6 +18,6 @@ def setup_logging(service: str, level: str | None = None) -> logging.Logger:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("httpx", "httpcore", "urllib3", "asyncio"):
+    for noisy in ("httpx", "httpcore", "aiohttp", "urllib3", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     return logging.getLogger(f"rlyard.{service}")

@@ -26,7 +26,7 @@ import threading
 import time
 import types
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -41,6 +41,8 @@ _REDUCTIONS = "torch.multiprocessing.reductions"
 # Position of the device index in the argument tuple of torch's CUDA tensor reduction
 # (stable for years; SGLang's patch_torch uses the same constant).
 _DEVICE_ARG = 6
+# ... and of event_sync_required, right after the IPC event handle.
+_EVENT_SYNC_ARG = 14
 
 
 @dataclasses.dataclass
@@ -91,14 +93,33 @@ _SGLANG_CUDA_REBUILD = ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_mo
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    """Unpickler that resolves only the exact (module, name) globals of the wire format."""
+    """Unpickler that resolves only the exact (module, name) globals of the wire format.
+
+    `ipc_events`: when a list, every CUDA tensor whose sender asked for a sync
+    adds the sender's IPC event (opened here, while the sender holds it) to it.
+    PyTorch waits on that event only when it opens the memory for the first
+    time; a receiver that reuses open mappings waits on these itself.
+    """
+
+    def __init__(self, file: io.BytesIO, ipc_events: list | None = None) -> None:
+        super().__init__(file)
+        self.ipc_events = ipc_events
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
         if key == _SGLANG_CUDA_REBUILD or key == (_REDUCTIONS, "rebuild_cuda_tensor"):
             enable_cuda_uuid_mapping()
             from torch.multiprocessing import reductions
-            return reductions.rebuild_cuda_tensor
+            if self.ipc_events is None:
+                return reductions.rebuild_cuda_tensor
+            events, rebuild = self.ipc_events, reductions.rebuild_cuda_tensor
+
+            def rebuild_and_keep_event(*args):
+                tensor = rebuild(*args)
+                if len(args) > _EVENT_SYNC_ARG and args[_EVENT_SYNC_ARG] and args[_EVENT_SYNC_ARG - 1]:
+                    events.append(torch.cuda.Event.from_ipc_handle(tensor.device, args[_EVENT_SYNC_ARG - 1]))
+                return tensor
+            return rebuild_and_keep_event
         if key not in _ALLOWED:
             raise ValueError(f"disallowed global in weight payload: {module}.{name}")
         value = _ALLOWED[key]
@@ -119,8 +140,9 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def deserialize(data: str | bytes) -> Any:
-    """Decode base64 and unpickle through the allow-list; ValueError names what was refused."""
+def deserialize(data: str | bytes, ipc_events: list | None = None) -> Any:
+    """Decode base64 and unpickle through the allow-list; ValueError names what was refused.
+    `ipc_events`: a list that collects the senders' CUDA-IPC events (see _SafeUnpickler)."""
     if isinstance(data, str):
         if not data.isascii():
             raise ValueError("weight payload is not base64 text")
@@ -132,21 +154,21 @@ def deserialize(data: str | bytes) -> Any:
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"weight payload is not valid base64: {exc}") from exc
     try:
-        return _SafeUnpickler(io.BytesIO(raw)).load()
+        return _SafeUnpickler(io.BytesIO(raw), ipc_events).load()
     except ValueError:
         raise
     except Exception as exc:  # truncated pickle, missing shm segment, bad CUDA handle ...
         raise ValueError(f"weight payload could not be unpickled: {type(exc).__name__}: {exc}") from exc
 
 
-def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]],
-                   layout: str = "bytes") -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
-    """Pack tensors back to back into one 1-D tensor plus SimpleNamespace metadata.
+def bucket_metadata(named_tensors: Sequence[tuple[str, torch.Tensor]],
+                    layout: str = "bytes") -> list[types.SimpleNamespace]:
+    """SGLang's per-tensor metadata for `named_tensors` packed back to back in this order.
 
-    layout "bytes" (SGLang 0.5.23): uint8 tensor, offsets and numel in bytes;
-    each tensor's offset must be a multiple of its element size (group tensors
-    by dtype, largest first, if not). layout "elements" (SGLang 0.5.16): one
-    dtype, offsets and numel in elements.
+    layout "bytes" (SGLang 0.5.23): offsets and numel in bytes; each tensor's
+    offset must be a multiple of its element size (group tensors by dtype,
+    largest first, if not). layout "elements" (SGLang 0.5.16): one dtype,
+    offsets and numel in elements.
     """
     if layout not in ("bytes", "elements"):
         raise ValueError(f"unknown bucket layout {layout!r}: use 'bytes' or 'elements'")
@@ -159,25 +181,32 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]],
     if layout == "elements" and len(dtypes) > 1:
         raise ValueError(f"layout 'elements' needs one dtype, got {sorted(map(str, dtypes))}; "
                          "use layout 'bytes' or one bucket per dtype")
-    parts: list[torch.Tensor] = []
     metadata: list[types.SimpleNamespace] = []
     offset = 0
     for name, tensor in named_tensors:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise ValueError("named_tensors must be (str, torch.Tensor) pairs")
-        flat = tensor.detach().contiguous().reshape(-1)
+        numel = tensor.numel()
         if layout == "bytes":
             if offset % tensor.element_size():
                 raise ValueError(
                     f"{name}: byte offset {offset} is not a multiple of {tensor.dtype}'s size "
                     f"{tensor.element_size()}; order tensors by dtype (largest element first) "
                     "or send one bucket per dtype")
-            flat = flat.view(torch.uint8)
-        numel = flat.numel()
+            numel *= tensor.element_size()
         metadata.append(types.SimpleNamespace(name=name, shape=torch.Size(tensor.shape), dtype=tensor.dtype,
                                               start_idx=offset, end_idx=offset + numel, numel=numel))
-        parts.append(flat)
         offset += numel
+    return metadata
+
+
+def flatten_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]],
+                   layout: str = "bytes") -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
+    """Pack tensors back to back into one 1-D tensor (uint8 for "bytes") plus `bucket_metadata`."""
+    metadata = bucket_metadata(named_tensors, layout)
+    parts = [t.detach().contiguous().reshape(-1) for _, t in named_tensors]
+    if layout == "bytes":
+        parts = [p.view(torch.uint8) for p in parts]
     return torch.cat(parts, dim=0), metadata
 
 
@@ -224,7 +253,7 @@ def unflatten_bucket(flat: torch.Tensor, metadata: list) -> list[tuple[str, torc
             raise ValueError(f"{name}: end_idx - start_idx = {end - start} but numel = {numel}")
         count = math.prod(shape)
         if by_bytes:
-            size = torch.empty((), dtype=dtype).element_size()
+            size = dtype.itemsize
             if numel != count * size:
                 raise ValueError(f"{name}: {numel} bytes do not hold shape {tuple(shape)} of {dtype}")
             if start % size:

@@ -48,6 +48,16 @@ def load_config(path: pathlib.Path) -> dict:
     return doc
 
 
+def run_section(doc: dict) -> dict:
+    """The run to start: the config's `run:` section, whose model (the tokenizer the rollout uses)
+    defaults to the model the services serve."""
+    run = dict(doc["run"])
+    model = (doc.get("services") or {}).get("model")
+    if model and "model" not in run:
+        run["model"] = model
+    return run
+
+
 async def main_async(args: argparse.Namespace) -> int:
     # Ctrl-C and SIGTERM cancel this task; the handlers below stop the run and every service. Explicit
     # handlers also cover shells that start background jobs with SIGINT ignored.
@@ -66,7 +76,7 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"starting services (logs in {args.log_dir}/) ...", flush=True)
             await stack.start()
             print(f"all four services healthy after {time.monotonic() - t0:.0f}s", flush=True)
-        run = start_run(ep.rollout_http, doc["run"], name=args.name or cfg_path.stem)
+        run = start_run(ep.rollout_http, run_section(doc), name=args.name or cfg_path.stem)
         run_id = run.get("run_id") or run.get("id")
         print(f"run {run_id} started (curl {ep.rollout_http}/runs/{run_id})", flush=True)
         info = await follow(ep.rollout_grpc, run_id)

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprob-chunk-mb", type=int, default=128,
                    help="size cap of one fp32 [tokens, vocab] log-softmax chunk")
     p.add_argument("--fp32-lm-head", action="store_true",
-                   help="project to the vocabulary in fp32 (no bf16 rounding of logits; +4 bytes x V x H)")
+                   help="logits in fp32 (no bf16 rounding; pair with the engine's --enable-fp32-lm-head)")
     p.add_argument("--max-seq-len", type=int, default=0, help="longest prompt+response (0: the model's)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--optimizer-offload", action="store_true",

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from services.common.numerics import fp32_logits
+
 
 @dataclass
 class PackedInputs:
@@ -49,8 +51,8 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
 
 
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-                    inv_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ weight.t()).float() * inv_temperature
+                    inv_temperature: float, fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (fp32_logits(hidden, weight) if fp32_head else (hidden @ weight.t()).float()) * inv_temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
@@ -69,8 +71,8 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_bytes = chunk_bytes
-        # fp32 vocabulary projection: logits are not rounded to bf16 (closer to an engine that
-        # also projects in fp32), at the price of an fp32 copy of the [V, H] weight per forward.
+        # fp32 logits (services.common.numerics): not rounded to bf16, as an engine started with
+        # --enable-fp32-lm-head computes them.
         self.fp32_head = fp32_head
 
     @property
@@ -88,17 +90,15 @@ class PolicyModel(nn.Module):
         hidden = out.last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_index)
         weight = self.lm.get_output_embeddings().weight
-        if self.fp32_head:
-            weight, flat = weight.float(), flat.float()
         inv_t = 1.0 / float(temperature)
         rows = self.chunk_rows()
         logps, ents = [], []
         for s in range(0, flat.shape[0], rows):
             h, t = flat[s:s + rows], targets[s:s + rows]
             if torch.is_grad_enabled():
-                lp, ent = checkpoint(_chunk_logprobs, h, t, weight, inv_t, use_reentrant=False)
+                lp, ent = checkpoint(_chunk_logprobs, h, t, weight, inv_t, self.fp32_head, use_reentrant=False)
             else:
-                lp, ent = _chunk_logprobs(h, t, weight, inv_t)
+                lp, ent = _chunk_logprobs(h, t, weight, inv_t, self.fp32_head)
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), torch.cat(ents)

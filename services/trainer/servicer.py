@@ -94,7 +94,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                     report = await self.syncer.sync(self.trainer.named_weights, self.trainer.lm.config,
                                                     list(request.engine_urls), method=request.method,
                                                     weight_version=version, bucket_mb=request.bucket_mb,
-                                                    flush_cache=request.flush_cache)
+                                                    flush_cache=request.flush_cache, arena=self.trainer.arena)
                 finally:
                     self.trainer.lock.release()
         except ValueError as exc:

@@ -8,6 +8,7 @@ and leaves weights, optimiser state and step count untouched.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from services.trainer.batch import BatchError, EpisodeArrays, plan_micro_batches
 from services.trainer.logprobs import PolicyModel, pack_sequences
 from services.trainer.losses import LossSettings, policy_loss, token_weights
 from services.trainer.optim import MasterAdamW
+from services.trainer.param_arena import ParamArena
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +41,7 @@ class TrainerSettings:
     micro_batch_tokens: int = 8192
     logprob_chunk_mb: int = 128
     fp32_lm_head: bool = False
+    param_arena: bool = True      # parameters in one flat buffer per dtype: weight sync without flatten
     optimizer_offload: bool = False
     kl_reference: bool = False
     max_seq_len: int = 0          # 0: the model's max_position_embeddings
@@ -74,6 +79,12 @@ class PolicyTrainer:
         if prepare is not None:
             prepare(self.policy)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.arena: ParamArena | None = None
+        if settings.param_arena and self.world == 1:
+            try:
+                self.arena = ParamArena.pack(model)
+            except ValueError as exc:
+                log.info("parameters stay where they are (weight sync will flatten): %s", exc)
         self.optimizer = MasterAdamW(model.named_parameters(), lr=settings.lr, betas=settings.betas,
                                      eps=settings.adam_eps, weight_decay=settings.weight_decay,
                                      offload=settings.optimizer_offload)

@@ -61,3 +61,12 @@ def test_throwaway_stack_gets_its_own_folders_and_ports(tmp_path):
     assert (home / "templates").is_symlink()
     ports = [st.endpoints.sandbox_grpc, st.endpoints.trainer_grpc, st.endpoints.rollout_grpc]
     assert len(set(ports)) == 3
+
+
+def test_run_section_takes_the_served_model_unless_the_run_names_one():
+    from services.launch.__main__ import run_section
+    doc = {"services": {"model": "/models/m"}, "run": {"steps": 2}}
+    assert run_section(doc) == {"steps": 2, "model": "/models/m"}
+    assert doc["run"] == {"steps": 2}  # the config itself is left as it was
+    assert run_section({"services": {"model": "/models/m"}, "run": {"model": "other"}})["model"] == "other"
+    assert "model" not in run_section({"run": {"steps": 1}})

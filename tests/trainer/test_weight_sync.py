@@ -106,9 +106,13 @@ def take_step(tr: PolicyTrainer, seed: int) -> None:
     tr.train_step(eps, LossSettings(lr=1e-3))
 
 
-@pytest.mark.parametrize("method", ["ipc", "disk", "nccl"])
+@pytest.mark.parametrize("method", ["ipc", "ipc-arena", "disk", "nccl"])
 @needs_engine
 async def test_sync_changes_engine_to_trainer_weights(engine_url, trainer, method, tmp_path):
+    arena = None
+    if method == "ipc-arena":  # buckets are slices of the trainer's parameter arena: no flatten
+        method, arena = "ipc", trainer.arena
+        assert arena is not None and arena.intact()
     before = await engine_logprobs(engine_url)
     take_step(trainer, seed=len(method))
     want = trainer_logprobs(trainer)
@@ -117,7 +121,7 @@ async def test_sync_changes_engine_to_trainer_weights(engine_url, trainer, metho
     try:
         version = f"{method}-{trainer.step}"
         report = await syncer.sync(trainer.named_weights, trainer.lm.config, [engine_url], method=method,
-                                   weight_version=version)
+                                   weight_version=version, arena=arena)
     finally:
         await syncer.aclose()
     assert report.bytes == sum(p.numel() * 4 for p in trainer.lm.parameters())

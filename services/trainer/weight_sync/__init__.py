@@ -19,7 +19,8 @@ import torch
 from services.common.sglang_client import SGLangClient
 from services.trainer.weight_sync.buckets import FlattenCache, nbytes
 from services.trainer.weight_sync.disk import push_disk
-from services.trainer.weight_sync.ipc import push_ipc
+from services.trainer.param_arena import ParamArena
+from services.trainer.weight_sync.ipc import StagingBuffers, push_ipc
 from services.trainer.weight_sync.nccl import NcclChannel
 from services.trainer.weight_sync.timing import PHASES, PhaseTimer, SyncReport
 
@@ -50,6 +51,7 @@ class WeightSyncer:
         # session around the whole sync.
         self.sessions = sessions
         self._flatten_cache = FlattenCache()
+        self._staging = StagingBuffers()
         self._clients: dict[str, SGLangClient] = {}
         self._nccl: dict[tuple[str, ...], NcclChannel] = {}
 
@@ -61,6 +63,7 @@ class WeightSyncer:
         return self._clients[url]
 
     async def aclose(self) -> None:
+        self._staging.clear()
         for ch in self._nccl.values():
             await ch.close()
         for c in self._clients.values():
@@ -68,8 +71,13 @@ class WeightSyncer:
 
     async def sync(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], config,
                    engine_urls: Sequence[str], *, method: str = "", weight_version: str,
-                   bucket_mb: int = 0, flush_cache: bool = True) -> SyncReport:
-        """Push the tensors `weights()` yields to every engine in `engine_urls`."""
+                   bucket_mb: int = 0, flush_cache: bool = True,
+                   arena: ParamArena | None = None) -> SyncReport:
+        """Push the tensors `weights()` yields to every engine in `engine_urls`.
+
+        `arena`: the ParamArena the same weights live in; while it is intact, `ipc` sends its
+        slices as buckets (no flatten) and `weights()` is not called.
+        """
         method = method or self.default_method
         if method not in METHODS:
             raise ValueError(f"unknown sync method {method!r}; use one of {', '.join(METHODS)}")
@@ -81,14 +89,17 @@ class WeightSyncer:
         cap = (bucket_mb or self.bucket_mb) << 20
         timer = PhaseTimer()
         t0 = time.perf_counter()
+        if arena is not None and not arena.intact():
+            arena = None
         with timer.phase("gather"):
-            named = list(weights())
+            named = arena.named_tensors() if arena is not None else list(weights())
         report = SyncReport(method=method, weight_version=weight_version, bytes=nbytes(named))
         if method == "ipc":
             async with _sessions(clients, self.sessions == "always"):
                 report.buckets = await push_ipc(named, clients, cap_bytes=cap, engine_device=self._target(named),
                                                 layout=self.layout, weight_version=weight_version,
-                                                flush_cache=flush_cache, timer=timer, cache=self._flatten_cache)
+                                                flush_cache=flush_cache, timer=timer, cache=self._flatten_cache,
+                                                arena=arena, staging=self._staging)
         elif method == "disk":
             await push_disk(named, clients, config=config, root=self.disk_root,
                             weight_version=weight_version, flush_cache=flush_cache, timer=timer)
