@@ -2,8 +2,9 @@
 
 `sync` mode: generate -> train -> sync weights -> repeat.
 `async` mode: a producer keeps playing groups on the engine's current
-weights while the trainer trains; episodes more than `staleness_k` policy
-versions old are dropped or down-weighted; weights land between engine steps
+weights while the trainer trains, at most `staleness_k` steps ahead; episodes
+more than `staleness_k` policy versions old (possible when generation is the
+slower side) are dropped or down-weighted; weights land between engine steps
 inside pause_generation / continue_generation.
 """
 from __future__ import annotations
@@ -390,14 +391,16 @@ class RunLoop:
         """Producer plays groups continuously; each step takes the next finished groups."""
         cfg = self.cfg
         ready: asyncio.Queue[list[Episode]] = asyncio.Queue()
-        in_flight = asyncio.Semaphore(2 * cfg.prompts_per_step)  # groups being played at once
+        # Groups played or waiting, at most staleness_k steps' worth: when generation is faster than
+        # training, a group played while the trainer works on step s is taken by step s + k at the
+        # latest, k versions on. A larger lead would only play groups that are dropped as stale.
+        in_flight = asyncio.Semaphore(max(1, cfg.asynchronous.staleness_k) * cfg.prompts_per_step)
         producer_stop = asyncio.Event()
         pending: set[asyncio.Task] = set()
         self._progress = _Progress(self, 1, cfg.prompts_per_step * cfg.group_size)
 
         async def one_group(task: Task) -> None:
-            # The slot is freed when a step takes the group (or on failure), so at most
-            # 2 * prompts_per_step groups are ever ahead of the trainer: that bounds staleness.
+            # The slot is freed when a step takes the group (or on failure).
             try:
                 group = await self.player.play_group(task, cfg.group_size,
                                                      on_episode=lambda e: self._progress.tick(e))
