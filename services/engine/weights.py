@@ -14,6 +14,7 @@ once.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pathlib
 import threading
 from typing import Any
@@ -30,10 +31,21 @@ class WeightUpdateError(ValueError):
     """A weight update was refused; the model is unchanged."""
 
 
+@dataclasses.dataclass
+class _Held:
+    """One held buffer: its storage, the views last cut from it (and their metadata signature),
+    and the parameter match of those views per model."""
+
+    storage: torch.UntypedStorage
+    sig: Any = None
+    named: NamedTensors | None = None
+    matched: dict[int, tuple[Any, list]] = dataclasses.field(default_factory=dict)
+
+
 class IpcMappings:
     """Keeps the CUDA storages of the last `size` payload buffers alive (see module doc), with the
-    views cut from them, so the same buffer with the same metadata is decoded without any
-    per-tensor work.
+    views cut from them and their match to the parameters, so the same buffer with the same
+    metadata is decoded and checked without any per-tensor work.
 
     A sender that frees a buffer we still hold only leaves its memory mapped here
     until `size` newer buffers have arrived; `clear()` lets them all go at once.
@@ -41,21 +53,18 @@ class IpcMappings:
 
     def __init__(self, size: int = 4) -> None:
         self.size = size
-        # storage data_ptr -> (storage, {signature: views})
-        self._held: collections.OrderedDict[int, tuple[torch.UntypedStorage, dict]] = collections.OrderedDict()
+        self._held: collections.OrderedDict[int, _Held] = collections.OrderedDict()  # by storage data_ptr
         self._lock = threading.Lock()
         self.reused = 0  # decodes served from held views (observable in tests and logs)
 
-    def _entry(self, t: torch.Tensor) -> dict:
+    def _entry(self, t: torch.Tensor) -> _Held:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        entry = self._held.pop(key, None)
-        if entry is None:
-            entry = (storage, {})
+        entry = self._held.pop(key, None) or _Held(storage)
         self._held[key] = entry
         while len(self._held) > self.size:
             self._held.popitem(last=False)
-        return entry[1]
+        return entry
 
     def hold(self, tensors: list[torch.Tensor]) -> None:
         with self._lock:
@@ -73,16 +82,28 @@ class IpcMappings:
         except (AttributeError, TypeError):  # malformed: let unflatten_bucket say exactly what is wrong
             return weight_wire.unflatten_bucket(flat, metadata)
         with self._lock:
-            views = self._entry(flat)
-            named = views.get(sig)
-            if named is not None:
+            entry = self._entry(flat)
+            if entry.named is not None and entry.sig == sig:
                 self.reused += 1
-                return named
+                return entry.named
         named = weight_wire.unflatten_bucket(flat, metadata)
-        with self._lock:
-            views.clear()  # one layout per buffer is what senders do; keep the newest
-            views[sig] = named
+        with self._lock:  # one layout per buffer is what senders do: keep the newest
+            entry.sig, entry.named, entry.matched = sig, named, {}
         return named
+
+    def matched(self, named: NamedTensors, runner: Any, match: Any) -> list:
+        """`match(runner, named)`, remembered while `named` is a held views list (anything else,
+        e.g. a CPU payload, is matched every time and not kept)."""
+        with self._lock:
+            entry = next((e for e in self._held.values() if e.named is named), None)
+            done = entry.matched.get(id(runner)) if entry is not None else None
+        if done is not None and done[0] is runner:
+            return done[1]
+        pairs = match(runner, named)
+        if entry is not None:
+            with self._lock:
+                entry.matched[id(runner)] = (runner, pairs)
+        return pairs
 
     def clear(self) -> None:
         with self._lock:
@@ -130,20 +151,10 @@ def decode_tensor_payload(serialized: Any, load_format: str | None,
     return named
 
 
-_CHECKED: collections.OrderedDict[int, tuple[ModelRunner, NamedTensors, list]] = collections.OrderedDict()
-
-
 def check(runner: ModelRunner, named: NamedTensors) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """Match each name to a parameter and check shapes; WeightUpdateError lists every problem.
     A views list that IpcMappings hands out again is matched once (the parameters stay put)."""
-    hit = _CHECKED.get(id(named))
-    if hit is not None and hit[0] is runner and hit[1] is named:
-        return hit[2]
-    pairs = _match(runner, named)
-    _CHECKED[id(named)] = (runner, named, pairs)
-    while len(_CHECKED) > 2 * IPC_MAPPINGS.size:
-        _CHECKED.popitem(last=False)
-    return pairs
+    return IPC_MAPPINGS.matched(named, runner, _match)
 
 
 def _match(runner: ModelRunner, named: NamedTensors) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

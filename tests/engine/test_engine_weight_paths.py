@@ -29,14 +29,18 @@ def test_fp32_lm_head_logits_are_not_rounded():
     assert not torch.equal(exact, stock)  # stock logits are bf16-rounded
 
 
-def test_check_remembers_a_repeated_views_list_and_apply_copies_all():
+def test_held_views_are_matched_once_others_every_time_and_apply_copies_all():
     runner = tiny_runner(torch.float32)
-    params = runner.named_parameters()
-    named = [(n, torch.full_like(p, 0.5)) for n, p in params.items()]
-    pairs = weights.check(runner, named)
-    assert weights.check(runner, named) is pairs  # the same list again: matched once
-    other = list(named)
-    assert weights.check(runner, other) is not pairs
+    named = [(n, torch.full_like(p, 0.5)) for n, p in runner.named_parameters().items()]
+    # A payload list that is not a held CUDA buffer's views (a CPU payload): matched anew each time,
+    # nothing kept that would hold its shared memory.
+    assert weights.check(runner, named) is not weights.check(runner, named)
+    # A held buffer's views list (what IpcMappings hands out again for a reused CUDA buffer).
+    mappings = weights.IpcMappings()
+    mappings._held[1] = weights._Held(torch.UntypedStorage(1), sig="layout", named=named)
+    pairs = mappings.matched(named, runner, weights._match)
+    assert mappings.matched(named, runner, weights._match) is pairs
+    assert mappings.matched(list(named), runner, weights._match) is not pairs
     assert weights.apply(pairs) == len(named)
     for n, p in runner.named_parameters().items():
         assert torch.all(p == 0.5), n
