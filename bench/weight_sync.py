@@ -73,6 +73,11 @@ def random_model(shape: str, device: str, dtype=torch.bfloat16, seed: int = 0):
     return model.eval()
 
 
+def model_weights(model):
+    """(name, tensor) of the model's parameters, as the trainer's `named_weights()` gives them."""
+    return ((n, p.detach()) for n, p in model.named_parameters())
+
+
 def write_folder(model, folder: pathlib.Path, tokenizer_from: pathlib.Path | None = None,
                  config_only: bool = False) -> pathlib.Path:
     """Save `model` as a HF folder (safetensors) the engine can load, or only its config.json for an
@@ -158,12 +163,11 @@ async def time_sync(model, url: str, engine_device: str | None, bucket_mb: int, 
     from services.trainer.weight_sync import WeightSyncer
     syncer = WeightSyncer(default_method=method, bucket_mb=bucket_mb, engine_device=engine_device,
                           nccl_master=("127.0.0.1", free_port()))
-    weights = lambda: ((n, p.detach()) for n, p in model.named_parameters())  # noqa: E731
     totals, timings = [], []
     report = None
     try:
         for i in range(warmup + iters):
-            report = await syncer.sync(weights, model.config, [url], method=method,
+            report = await syncer.sync(lambda: model_weights(model), model.config, [url], method=method,
                                        weight_version=f"b{bucket_mb}-{i}", flush_cache=flush_cache, arena=arena)
             if i >= warmup:
                 totals.append(report.timing["total"])
@@ -223,7 +227,7 @@ async def verify(model, arena, url: str, engine_device: str | None, bucket_mb: i
                 x = torch.tensor([ids], device=next(model.parameters()).device)
                 logits = model(x).logits[0, :-1].float()
                 want = torch.log_softmax(logits, -1).gather(1, x[0, 1:, None])[:, 0].double().cpu()
-            await syncer.sync(lambda: ((n, p.detach()) for n, p in model.named_parameters()), model.config,
+            await syncer.sync(lambda: model_weights(model), model.config,
                               [url], weight_version=f"verify-{i}", arena=arena)
             after = await engine_lp()
             gap, moved = float((after - want).abs().mean()), float((after - before).abs().mean())

@@ -73,6 +73,10 @@ class FlattenCache:
         views, meta = hit
         if not shared:
             return torch.cat(views), meta
-        out = torch.empty(0, dtype=views[0].dtype).set_(
-            torch.UntypedStorage._new_shared(sum(v.numel() for v in views) * views[0].element_size()))
-        return torch.cat(views, out=out), meta
+        return torch.cat(views, out=shared_tensor(sum(v.numel() for v in views), views[0].dtype)), meta
+
+
+def shared_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D tensor in a shared-memory segment (pickled by the segment's name)."""
+    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))

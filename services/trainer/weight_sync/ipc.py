@@ -31,7 +31,7 @@ import torch
 from services.common import weight_wire
 from services.common.sglang_client import SGLangClient
 from services.trainer.param_arena import ParamArena
-from services.trainer.weight_sync.buckets import FlattenCache, plan_buckets
+from services.trainer.weight_sync.buckets import FlattenCache, plan_buckets, shared_tensor
 from services.trainer.weight_sync.timing import PhaseTimer
 
 
@@ -92,9 +92,7 @@ def bucket_source(named: Sequence[tuple[str, torch.Tensor]], buckets: list[list[
 
         def to_shared(k: int) -> tuple[torch.Tensor, list]:
             flat, meta = views[k]
-            out = torch.empty(0, dtype=flat.dtype).set_(
-                torch.UntypedStorage._new_shared(flat.numel() * flat.element_size()))
-            return out.resize_(flat.numel()).copy_(flat), meta
+            return shared_tensor(flat.numel(), flat.dtype).copy_(flat), meta
         return to_shared
     return lambda k: cache.flatten([named[i] for i in buckets[k]], layout, shared=shared)
 
