@@ -134,25 +134,15 @@ def create_app(holder: EngineHolder) -> FastAPI:
         except BadRequest as exc:
             return _error(400, str(exc))
 
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request) -> Response:
-        return await weight_op(request, lambda e, b: e.update_weights_from_tensor(b))
+    def weight_route(name: str) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            return await weight_op(request, lambda e, b: getattr(e, name)(b))
+        return route
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> Response:
-        return await weight_op(request, lambda e, b: e.update_weights_from_disk(b))
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request) -> Response:
-        return await weight_op(request, lambda e, b: e.init_weights_update_group(b))
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request) -> Response:
-        return await weight_op(request, lambda e, b: e.update_weights_from_distributed(b))
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request) -> Response:
-        return await weight_op(request, lambda e, b: e.destroy_weights_update_group(b))
+    # POST /<name> runs Engine.<name>(body): SGLang's weight-update endpoints, one reply shape.
+    for name in ("update_weights_from_tensor", "update_weights_from_disk", "init_weights_update_group",
+                 "update_weights_from_distributed", "destroy_weights_update_group"):
+        app.add_api_route(f"/{name}", weight_route(name), methods=["POST"], name=name)
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> Response:
