@@ -128,9 +128,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 out = await asyncio.to_thread(checkpoint.save, self.trainer, path)
         except OSError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot write checkpoint {path}: {exc}")
-        return trainer_pb2.CheckpointInfo(path=str(out), step=self.trainer.step,
-                                          policy_version=self.trainer.policy_version,
-                                          size_bytes=checkpoint.size_bytes(out))
+        return self._checkpoint_info(out)
 
     async def LoadCheckpoint(self, request, context) -> trainer_pb2.CheckpointInfo:
         path = pathlib.Path(request.path) if request.path else None
@@ -148,6 +146,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except OSError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"cannot read checkpoint {path}: {exc}")
+        return self._checkpoint_info(pathlib.Path(path))
+
+    def _checkpoint_info(self, path: pathlib.Path) -> trainer_pb2.CheckpointInfo:
+        """The reply of Save/LoadCheckpoint: where the checkpoint is and the trainer's state now."""
         return trainer_pb2.CheckpointInfo(path=str(path), step=self.trainer.step,
                                           policy_version=self.trainer.policy_version,
                                           size_bytes=checkpoint.size_bytes(path))

@@ -19,13 +19,14 @@ from tests.trainer.conftest import VOCAB, tiny_model
 async def served():
     trainer = PolicyTrainer(tiny_model(), "cpu", TrainerSettings(lr=1e-2, micro_batch_tokens=24,
                                                                  loss=LossSettings(lr=1e-2)))
-    server = ServiceServer("127.0.0.1", 0)
-    server.add(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer, WeightSyncer()),
+    server, syncer = ServiceServer("127.0.0.1", 0), WeightSyncer()
+    server.add(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer, syncer),
                "rlyard.v1.Trainer")
     port = await server.start()
     async with channel(f"127.0.0.1:{port}") as ch:
         yield trainer, trainer_pb2_grpc.TrainerStub(ch)
     await server.stop(0)
+    await syncer.aclose()  # its engine clients hold HTTP sessions
 
 
 def episode(**over):
