@@ -473,15 +473,7 @@ class Manager:
             if box.state != RUNNING:
                 raise SandboxError("failed_precondition", f"sandbox {sid!r} is {box.state}; only a running "
                                                           "sandbox can be paused")
-            box.state = PAUSING
-            try:
-                await self.cgroups.set_frozen(sid, True)
-            except (CgroupError, OSError) as e:
-                box.state = RUNNING
-                raise SandboxError("internal", f"freezing failed: {e}") from e
-            box.state = PAUSED
-            box.expires_at = time.time() + self.config.paused_ttl_s
-            self._persist(box)
+            await self._set_frozen(box, True, self.config.paused_ttl_s)
         return box
 
     async def resume(self, sid: str, timeout_s: int = 0) -> Box:
@@ -491,16 +483,22 @@ class Manager:
             if box.state != PAUSED:
                 raise SandboxError("failed_precondition", f"sandbox {sid!r} is {box.state}; only a paused "
                                                           "sandbox can be resumed")
-            box.state = RESUMING
-            try:
-                await self.cgroups.set_frozen(sid, False)
-            except (CgroupError, OSError) as e:
-                box.state = PAUSED
-                raise SandboxError("internal", f"thawing failed: {e}") from e
-            box.state = RUNNING
-            box.expires_at = time.time() + self._ttl(timeout_s)
-            self._persist(box)
+            await self._set_frozen(box, False, self._ttl(timeout_s))
         return box
+
+    async def _set_frozen(self, box: Box, frozen: bool, ttl_s: float) -> None:
+        """Pause or resume `box` (lock held, state checked): PAUSING/RESUMING while the freezer
+        works, back where it was if that fails; then the new state, its time to live, persisted."""
+        before = box.state
+        box.state = PAUSING if frozen else RESUMING
+        try:
+            await self.cgroups.set_frozen(box.id, frozen)
+        except (CgroupError, OSError) as e:
+            box.state = before
+            raise SandboxError("internal", f"{'freezing' if frozen else 'thawing'} failed: {e}") from e
+        box.state = PAUSED if frozen else RUNNING
+        box.expires_at = time.time() + ttl_s
+        self._persist(box)
 
     async def set_timeout(self, sid: str, timeout_s: int) -> Box:
         box = self.live(sid)
