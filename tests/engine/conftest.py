@@ -14,6 +14,15 @@ from services.common.net import free_port as _free_port
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+def tiny_llama(vocab_size: int = 64, layers: int = 2, max_positions: int = 64, seed: int = 0):
+    """A seeded random Llama (hidden 32, 4 heads over 2 KV heads) small enough for CPU unit tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+    return LlamaForCausalLM(cfg).eval()
+
+
 @pytest.fixture(scope="session")
 def engine_url(tmp_path_factory):
     port = _free_port()

@@ -8,17 +8,14 @@ import pytest
 import torch
 
 from services.engine.model import ModelRunner
+from tests.engine.conftest import tiny_llama
 from services.engine.sampling import BatchSampling, SamplingParams, sample
 from services.engine.scheduler import Scheduler, Sequence
 
 
 @pytest.fixture(scope="module")
 def tiny_runner():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return ModelRunner(LlamaForCausalLM(cfg).eval(), max_slots=8)
+    return ModelRunner(tiny_llama(vocab_size=128, max_positions=512), max_slots=8)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from services.engine.model import ModelRunner
+from tests.engine.conftest import tiny_llama
 from services.engine.sampling import BatchSampling, SamplingParams, parse_sampling_params, sample, seeded_uniform
 
 
@@ -42,11 +43,7 @@ def test_sample_greedy_topk_and_logprobs():
 
 
 def test_slot_cache_forward_matches_transformers():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama()
     runner = ModelRunner(model, max_slots=8, initial_capacity=4)
     a, b = [1, 5, 9, 3, 7], [2, 4]
     hidden = runner.prefill([5, 2], [a, b])  # non-contiguous slots, cache grows in both dimensions
@@ -65,13 +62,8 @@ def test_slot_cache_forward_matches_transformers():
 
 def test_padded_bucket_decode_matches_eager():
     """The CUDA-graph step's layout (rows = slots [0, B), padding rows, length buckets), run without graphs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from services.engine.cuda_graphs import GraphDecoder
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(max_positions=256)
     eager = ModelRunner(model, max_slots=8, initial_capacity=128)
     bucketed = ModelRunner(model, max_slots=8, initial_capacity=128)
     bucketed.graphs = GraphDecoder(bucketed, min_len=16, capture=False)

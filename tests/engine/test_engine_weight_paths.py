@@ -3,18 +3,15 @@ projection, the remembered parameter match of a repeated payload, and multi-tens
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.common import weight_wire
 from services.engine import weights
 from services.engine.model import ModelRunner, load_model
+from tests.engine.conftest import tiny_llama
 
 
 def tiny_runner(dtype=torch.bfloat16) -> ModelRunner:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return ModelRunner(LlamaForCausalLM(cfg).to(dtype).eval(), max_slots=4, initial_capacity=8)
+    return ModelRunner(tiny_llama().to(dtype), max_slots=4, initial_capacity=8)
 
 
 def test_fp32_lm_head_logits_are_not_rounded():
@@ -55,9 +52,7 @@ def test_unflatten_of_cpu_buckets_is_not_held():
 
 
 def test_dummy_load_format_reads_only_the_config(tmp_path):
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2)
-    cfg.save_pretrained(tmp_path)
+    tiny_llama(layers=1).config.save_pretrained(tmp_path)
     model = load_model(tmp_path, torch.device("cpu"), torch.bfloat16, "dummy")
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config.num_hidden_layers == 1
