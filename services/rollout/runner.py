@@ -392,8 +392,9 @@ class RunLoop:
         cfg = self.cfg
         ready: asyncio.Queue[list[Episode]] = asyncio.Queue()
         # Groups played or waiting, at most staleness_k steps' worth: when generation is faster than
-        # training, a group played while the trainer works on step s is taken by step s + k at the
-        # latest, k versions on. A larger lead would only play groups that are dropped as stale.
+        # training, a group played while the trainer works on step s is normally taken within k steps.
+        # A larger lead only plays groups that are dropped as stale. (A slow group still running
+        # across a sync can be overtaken by newer ones and arrive too stale; that one is dropped.)
         in_flight = asyncio.Semaphore(max(1, cfg.asynchronous.staleness_k) * cfg.prompts_per_step)
         producer_stop = asyncio.Event()
         pending: set[asyncio.Task] = set()

@@ -85,9 +85,6 @@ async def test_async_run_overlaps_generation_and_training(fake_stack, tmp_path):
     steps = mgr.run_dir(run_id).read_jsonl("metrics.jsonl")
     assert all(s["staleness_max"] <= 1 for s in steps)
     assert any(s["staleness_max"] == 1 for s in steps[1:])  # episodes played while the trainer trained
-    # Generation here is far faster than training: the producer must wait at the staleness bound
-    # instead of playing groups that are dropped as stale later.
-    assert sum(s["episodes_dropped_stale"] for s in steps) == 0
     versions = {e.policy_version for b in fake_stack.trainer.batches for e in b}
     assert len(versions) >= 2
     await asyncio.sleep(0.2)
