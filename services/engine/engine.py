@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import torch
 
+from services.common import batch_invariant
 from services.common.model_store import resolve_model
 from services.engine import weights
 from services.engine.model import ModelRunner, dtype_name, load_model
@@ -92,6 +93,7 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_len: int = 2048
     fp32_lm_head: bool = False
+    deterministic_inference: bool = False
     load_format: str = "auto"
 
 
@@ -140,6 +142,13 @@ class Engine:
         runner = ModelRunner(model, max_slots=cfg.max_running_requests, context_len=cfg.context_length,
                              cuda_graph=cfg.cuda_graph and device.type == "cuda", graph_max_len=cfg.cuda_graph_max_len)
         runner.fp32_lm_head = cfg.fp32_lm_head
+        if cfg.deterministic_inference:
+            batch_invariant.check_head_dim(runner.head_dim)
+            runner.batch_invariant = True
+            if not batch_invariant.kernels_available(device) or dtype == torch.float32:
+                log.warning("--enable-deterministic-inference on %s %s: the torch formulas run instead of the "
+                            "batch-invariant kernels (those need CUDA, triton and a 16-bit dtype)", device,
+                            dtype_name(dtype))
         return cls(runner, tokenizer, str(path), cfg.require_weight_update_session,
                    cfg.weight_update_session_timeout_s)
 
@@ -175,6 +184,9 @@ class Engine:
                 "device": str(self.runner.device), "context_length": self.runner.context_len,
                 "max_running_requests": self.runner.max_slots, "weight_version": self.weight_version,
                 "decode_mode": self.runner.decode_mode,
+                # server args, flattened as SGLang's /get_server_info reports them
+                "enable_deterministic_inference": self.runner.batch_invariant,
+                "enable_fp32_lm_head": self.runner.fp32_lm_head,
                 "paused": s.paused, "weight_update_session_open": self.session_open,
                 "require_weight_update_session": self.require_session,
                 "internal_states": [{"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),

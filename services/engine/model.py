@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from services.common import batch_invariant as bi
 from services.common.numerics import fp32_logits
 
 log = logging.getLogger(__name__)
@@ -25,15 +25,13 @@ SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mistra
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def norm_eps(norm: torch.nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The HF RMSNorm module's math (fp32 normalise, cast, scale) through torch's fused rms_norm."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm_eps(norm)).to(x.dtype)
 
 
 def fuse_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -101,7 +99,6 @@ class ModelRunner:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.scaling = attn.scaling
-        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.vocab_size = cfg.vocab_size
         self.context_len = min(context_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_slots = max_slots
@@ -190,38 +187,63 @@ class ModelRunner:
             self.graphs.clear()  # captured against the old tensors
 
     # ---- forward --------------------------------------------------------------------------
+    # --enable-deterministic-inference: every linear, norm and attention goes through the batch-invariant
+    # kernels the trainer's --batch-invariant forward uses (services.common.batch_invariant).
+    batch_invariant = False
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return bi.linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
+
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return bi.rms_norm(x, norm.weight, norm_eps(norm)) if self.batch_invariant else rms_norm(norm, x)
+
     def _qkv(self, li: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Fused q/k/v projection and rotary embedding; returns q [b,H,t,D], k and v [b,KV,t,D]."""
         attn = layer.self_attn
         b, t, _ = h.shape
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        qkv = F.linear(h, *self.qkv[li])
+        qkv = self._linear(h, *self.qkv[li])
         v = qkv[..., nq + nk:].view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before the rotation
-            q = attn.q_norm(qkv[..., :nq].reshape(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-            k = attn.k_norm(qkv[..., nq:nq + nk].reshape(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
-            q, k = self.apply_rope(q, k, cos, sin)
-            return q, k, v
+            q = self._norm(attn.q_norm, qkv[..., :nq].reshape(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+            k = self._norm(attn.k_norm, qkv[..., nq:nq + nk].reshape(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+            return bi.apply_rotary(q, cos[:, None], sin[:, None]), bi.apply_rotary(k, cos[:, None], sin[:, None]), v
         # q and k rotate together: the HF formula (x*cos + rotate_half(x)*sin), once instead of twice
         qk = qkv[..., : nq + nk].view(b, t, self.n_heads + self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = bi.apply_rotary(qk, cos[:, None], sin[:, None])
         return qk[:, : self.n_heads], qk[:, self.n_heads:], v
 
     def _finish_layer(self, li: int, layer: Any, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = attn_out.shape
-        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
-        gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *self.gate_up[li]).chunk(2, dim=-1)
-        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        """attn_out [b, t, heads * head_dim]: output projection, residual, MLP, residual."""
+        o = layer.self_attn.o_proj
+        x = x + self._linear(attn_out, o.weight, o.bias)
+        gate, up = self._linear(self._norm(layer.post_attention_layernorm, x), *self.gate_up[li]).chunk(2, dim=-1)
+        down = layer.mlp.down_proj
+        return x + self._linear(layer.mlp.act_fn(gate) * up, down.weight, down.bias)
 
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor) -> torch.Tensor:
-        """One query token per row: fold each kv head's query group into the query axis (no kv repeat)."""
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of whole right-padded prompts; returns [b, t, heads * head_dim]."""
+        b, _, t, _ = q.shape
+        if self.batch_invariant:
+            return bi.attention(q, k, v, self.scaling).reshape(b, t, -1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                             enable_gqa=self.n_kv != self.n_heads)
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+    def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor | None,
+                          put: torch.Tensor, posl: torch.Tensor, length: int) -> torch.Tensor:
+        """One query per row, at posl[i] over positions [0, length) of cache row rows[i] (or row i);
+        returns [b, 1, heads * head_dim]. Stock: each kv head's query group folds into the query axis."""
         b = q.shape[0]
+        if self.batch_invariant:
+            return bi.attention(q, kc, vc, self.scaling, positions=posl, kv_rows=put, kv_len=length).reshape(b, 1, -1)
+        keys, values = (kc[:, :, :length], vc[:, :, :length]) if rows is None else \
+            (kc[rows, :, :length], vc[rows, :, :length])
+        mask = (torch.arange(length, device=self.device)[None, :] <= posl[:, None])[:, None, None, :]
         groups = self.n_heads // self.n_kv
         out = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, groups, self.head_dim), keys, values,
                                              attn_mask=mask, scale=self.scaling)
-        return out.reshape(b, self.n_heads, 1, self.head_dim)
+        return out.reshape(b, 1, -1)
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -243,13 +265,11 @@ class ModelRunner:
         x = self.embed(ids)
         cos, sin = self.rotary(x, pos[None, :].expand(len(prompts), t))
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(li, layer, rms_norm(layer.input_layernorm, x), cos, sin)
+            q, k, v = self._qkv(li, layer, self._norm(layer.input_layernorm, x), cos, sin)
             self.k_cache[li][slot_idx, :, :t] = k
             self.v_cache[li][slot_idx, :, :t] = v
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                                 enable_gqa=self.n_kv != self.n_heads)
-            x = self._finish_layer(li, layer, x, out)
-        return rms_norm(self.norm, x)
+            x = self._finish_layer(li, layer, x, self._prefill_attention(q, k, v))
+        return self._norm(self.norm, x)
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -272,43 +292,40 @@ class ModelRunner:
         if slots == list(range(slots[0], slots[0] + b)):  # a view of the batch's slots: no gather needed
             return self.decode_rows(tok, posl, slots[0], length)
         slot_idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        mask = (torch.arange(length, device=self.device)[None, :] <= posl[:, None])[:, None, None, :]
-        x = self.embed(tok)[:, None, :]
-        cos, sin = self.rotary(x, posl[:, None])
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(li, layer, rms_norm(layer.input_layernorm, x), cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[slot_idx, :, posl] = k[:, :, 0]
-            vc[slot_idx, :, posl] = v[:, :, 0]
-            out = self._decode_attention(q, kc[slot_idx, :, :length], vc[slot_idx, :, :length], mask)
-            x = self._finish_layer(li, layer, x, out)
-        return self.logits(rms_norm(self.norm, x)[:, 0])
+        return self._decode_step(tok, posl, self.k_cache, self.v_cache, slot_idx, length)
 
     def decode_rows(self, tok: torch.Tensor, posl: torch.Tensor, start: int, length: int) -> torch.Tensor:
         """Decode where row i is slot start+i, attending to positions [0, length): static shapes, no host sync
         (the body CUDA graphs capture)."""
         b = tok.shape[0]
-        rows = torch.arange(b, device=self.device)
-        mask = (torch.arange(length, device=self.device)[None, :] <= posl[:, None])[:, None, None, :]
+        return self._decode_step(tok, posl, [c[start: start + b] for c in self.k_cache],
+                                 [c[start: start + b] for c in self.v_cache], None, length)
+
+    def _decode_step(self, tok: torch.Tensor, posl: torch.Tensor, k_cache: list[torch.Tensor],
+                     v_cache: list[torch.Tensor], rows: torch.Tensor | None, length: int) -> torch.Tensor:
+        """Row i's token sits at posl[i] of cache row rows[i] (row i itself when rows is None: the caches
+        are then views of exactly the batch's slots, read without a gather); returns fp32 logits."""
+        put = rows if rows is not None else torch.arange(tok.shape[0], device=self.device)
         x = self.embed(tok)[:, None, :]
         cos, sin = self.rotary(x, posl[:, None])
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(li, layer, rms_norm(layer.input_layernorm, x), cos, sin)
-            kb = self.k_cache[li][start: start + b]
-            vb = self.v_cache[li][start: start + b]
-            kb[rows, :, posl] = k[:, :, 0]
-            vb[rows, :, posl] = v[:, :, 0]
-            out = self._decode_attention(q, kb[:, :, :length], vb[:, :, :length], mask)
-            x = self._finish_layer(li, layer, x, out)
-        return self.logits(rms_norm(self.norm, x)[:, 0])
+            q, k, v = self._qkv(li, layer, self._norm(layer.input_layernorm, x), cos, sin)
+            kc, vc = k_cache[li], v_cache[li]
+            kc[put, :, posl] = k[:, :, 0]
+            vc[put, :, posl] = v[:, :, 0]
+            x = self._finish_layer(li, layer, x, self._decode_attention(q, kc, vc, rows, put, posl, length))
+        return self.logits(self._norm(self.norm, x)[:, 0])
 
     # --enable-fp32-lm-head: logits leave the projection in fp32 (see services.common.numerics).
     fp32_lm_head = False
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight
+        if self.batch_invariant:
+            return bi.linear(hidden, weight, out_dtype=torch.float32 if self.fp32_lm_head else None).float()
         if self.fp32_lm_head:
-            return fp32_logits(hidden, self.lm_head.weight)
+            return fp32_logits(hidden, weight)
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size cap of one fp32 [tokens, vocab] log-softmax chunk")
     p.add_argument("--fp32-lm-head", action="store_true",
                    help="logits in fp32 (no bf16 rounding; pair with the engine's --enable-fp32-lm-head)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="forward through the batch-invariant kernels (single GPU): log-probs equal bit for bit "
+                        "those of an engine started with --enable-deterministic-inference")
     p.add_argument("--max-seq-len", type=int, default=0, help="longest prompt+response (0: the model's)")
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--optimizer-offload", action="store_true",
@@ -76,7 +79,7 @@ def _settings(args):
     loss.validate()
     return TrainerSettings(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
                            micro_batch_tokens=args.micro_batch_tokens, logprob_chunk_mb=args.logprob_chunk_mb,
-                           fp32_lm_head=args.fp32_lm_head,
+                           fp32_lm_head=args.fp32_lm_head, batch_invariant=args.batch_invariant,
                            optimizer_offload=args.optimizer_offload, kl_reference=args.kl_reference,
                            max_seq_len=args.max_seq_len, loss=loss)
 
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("trainer", args.log_level)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.batch_invariant:
+            log.error("--batch-invariant is single-process (it reads parameters FSDP2 shards); drop it under torchrun")
+            return 2
         from services.trainer.distributed import main_distributed
         return main_distributed(args)
     try:

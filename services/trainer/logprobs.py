@@ -17,7 +17,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from services.common import batch_invariant as bi
 from services.common.numerics import fp32_logits
+from services.trainer import invariant_forward
 
 
 @dataclass
@@ -50,9 +52,13 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
                         targets=torch.cat(targets).to(device), response_lens=rlens)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-                    inv_temperature: float, fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (fp32_logits(hidden, weight) if fp32_head else (hidden @ weight.t()).float()) * inv_temperature
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, temperature: float,
+                    fp32_head: bool = False, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if invariant:
+        logits = bi.linear(hidden, weight, out_dtype=torch.float32 if fp32_head else None).float()
+    else:
+        logits = fp32_logits(hidden, weight) if fp32_head else (hidden @ weight.t()).float()
+    logits = logits / temperature  # divided, as the engine does: the same rounding as its sampling logits
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
@@ -67,13 +73,20 @@ class PolicyModel(nn.Module):
     final norm and vocabulary projection before this forward runs.
     """
 
-    def __init__(self, lm: nn.Module, chunk_bytes: int = 128 << 20, fp32_head: bool = False) -> None:
+    def __init__(self, lm: nn.Module, chunk_bytes: int = 128 << 20, fp32_head: bool = False,
+                 batch_invariant: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_bytes = chunk_bytes
         # fp32 logits (services.common.numerics): not rounded to bf16, as an engine started with
         # --enable-fp32-lm-head computes them.
         self.fp32_head = fp32_head
+        # the forward of services.trainer.invariant_forward: bitwise the log-probs of an engine started
+        # with --enable-deterministic-inference
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            invariant_forward.check_supported(lm)
+        self.checkpoint_layers = any(getattr(m, "gradient_checkpointing", False) for m in lm.modules())
 
     @property
     def vocab_size(self) -> int:
@@ -86,19 +99,21 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, gather_index: torch.Tensor, targets: torch.Tensor,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (log-probs [T] fp32 with grad, entropies [T] fp32 without)."""
-        out = self.lm.get_decoder()(input_ids=input_ids, use_cache=False)
-        hidden = out.last_hidden_state
+        if self.batch_invariant:
+            hidden = invariant_forward.decoder_hidden(self.lm, input_ids, self.checkpoint_layers)
+        else:
+            hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather_index)
         weight = self.lm.get_output_embeddings().weight
-        inv_t = 1.0 / float(temperature)
+        args = (weight, float(temperature), self.fp32_head, self.batch_invariant)
         rows = self.chunk_rows()
         logps, ents = [], []
         for s in range(0, flat.shape[0], rows):
             h, t = flat[s:s + rows], targets[s:s + rows]
             if torch.is_grad_enabled():
-                lp, ent = checkpoint(_chunk_logprobs, h, t, weight, inv_t, self.fp32_head, use_reentrant=False)
+                lp, ent = checkpoint(_chunk_logprobs, h, t, *args, use_reentrant=False)
             else:
-                lp, ent = _chunk_logprobs(h, t, weight, inv_t, self.fp32_head)
+                lp, ent = _chunk_logprobs(h, t, *args)
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), torch.cat(ents)

@@ -41,6 +41,7 @@ class TrainerSettings:
     micro_batch_tokens: int = 8192
     logprob_chunk_mb: int = 128
     fp32_lm_head: bool = False
+    batch_invariant: bool = False  # the forward of services.trainer.invariant_forward (single process)
     param_arena: bool = True      # parameters in one flat buffer per dtype: weight sync without flatten
     optimizer_offload: bool = False
     kl_reference: bool = False
@@ -63,8 +64,7 @@ class PolicyTrainer:
         self.settings = settings
         self.model_name = model_name
         self.lm = model
-        self.policy = PolicyModel(model, chunk_bytes=settings.logprob_chunk_mb << 20,
-                                  fp32_head=settings.fp32_lm_head)
+        self.policy = self._policy_model(model)
         cfg = model.config
         self.vocab_size = self.policy.vocab_size
         self.max_len = settings.max_seq_len or int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
@@ -74,11 +74,12 @@ class PolicyTrainer:
         if settings.kl_reference:  # a full, frozen copy on every rank (before any sharding)
             ref = copy.deepcopy(model).eval()
             ref.requires_grad_(False)
-            self.reference = PolicyModel(ref, chunk_bytes=settings.logprob_chunk_mb << 20,
-                                         fp32_head=settings.fp32_lm_head)
+            self.reference = self._policy_model(ref)
         if prepare is not None:
             prepare(self.policy)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if settings.batch_invariant and self.world > 1:
+            raise ValueError("--batch-invariant runs a single-process forward; it does not combine with FSDP")
         self.arena: ParamArena | None = None
         if settings.param_arena and self.world == 1:
             try:
@@ -91,6 +92,11 @@ class PolicyTrainer:
         self.step = 0
         self.policy_version = 0
         self.lock = threading.Lock()
+
+    def _policy_model(self, lm: nn.Module) -> PolicyModel:
+        s = self.settings
+        return PolicyModel(lm, chunk_bytes=s.logprob_chunk_mb << 20, fp32_head=s.fp32_lm_head,
+                           batch_invariant=s.batch_invariant)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.lm.parameters())

@@ -79,3 +79,11 @@ async def test_serve_checkpoint_sigterm_and_resume(tmp_path):
             assert reply.step == 3
     finally:
         assert stop(proc) == 0
+
+
+def test_batch_invariant_refused_under_torchrun(monkeypatch, capfd):
+    """The batch-invariant forward reads parameters that FSDP2 shards: under torchrun it is refused up front."""
+    from services.trainer.__main__ import main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--batch-invariant", "--device", "cpu"]) == 2
+    assert "--batch-invariant is single-process" in capfd.readouterr().err
