@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.common import batch_invariant
 from services.trainer.batch import BatchError, EpisodeArrays, plan_micro_batches
 from services.trainer.logprobs import PolicyModel, pack_sequences
 from services.trainer.losses import LossSettings, policy_loss, token_weights
@@ -80,6 +81,10 @@ class PolicyTrainer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if settings.batch_invariant and self.world > 1:
             raise ValueError("--batch-invariant runs a single-process forward; it does not combine with FSDP")
+        if settings.batch_invariant and (not batch_invariant.kernels_available(self.device)
+                                         or self.dtype == torch.float32):
+            log.warning("--batch-invariant on %s %s: the torch formulas run instead of the batch-invariant kernels "
+                        "(those need CUDA, triton and a 16-bit dtype)", self.device, self.dtype)
         self.arena: ParamArena | None = None
         if settings.param_arena and self.world == 1:
             try:
