@@ -22,6 +22,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+# The HF decoders whose layers both forwards walk (the engine's, and the trainer's batch-invariant one):
+# RMSNorm, q/k/v (optionally biased, Qwen3 with per-head q/k norms), rotary, o, gate/up, SiLU, down.
+DECODER_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
+
 
 @functools.cache
 def _kernels():
@@ -45,6 +49,11 @@ def check_head_dim(head_dim: int) -> None:
 
 def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _kernels() is not None
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """The epsilon of an HF RMSNorm module (its attribute name varies by model)."""
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,6 +145,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def norm_module(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`rms_norm` with an HF RMSNorm module's weight and epsilon."""
+    return rms_norm(x, norm.weight, norm_eps(norm))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The HF RMSNorm (fp32 normalise, cast, scale by the weight) over the last dim."""
     if not _use_kernels(x):
@@ -143,16 +157,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    kernel = functools.partial(_norm_kernel, eps=eps)
+    kernel = functools.partial(_kernels().rms_norm, eps=eps)
     if _tracks_grad(x, weight):
         out = _Recomputed.apply(kernel, functools.partial(reference_rms_norm, eps=eps), flat, weight)
     else:
         out = kernel(flat, weight)
     return out.view(x.shape)
-
-
-def _norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _kernels().rms_norm(x, weight, eps)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

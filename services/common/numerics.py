@@ -1,4 +1,4 @@
-"""Shared numerics of the engine and the trainer: the vocabulary projection with fp32 logits.
+"""Shared numerics of the engine and the trainer: the vocabulary projection (`project_logits`).
 
 Rounding logits to bf16 moves a log-prob by up to ~0.06 where logits are
 around 16-32 (bf16 keeps 8 bits of mantissa), far more than the rest of a
@@ -10,6 +10,8 @@ writes fp32 (no fp32 copy of the [V, H] weight), elsewhere an upcast.
 from __future__ import annotations
 
 import torch
+
+from services.common import batch_invariant as bi
 
 
 class _MatmulFp32Out(torch.autograd.Function):
@@ -28,6 +30,17 @@ class _MatmulFp32Out(torch.autograd.Function):
         grad_h = g @ w if ctx.needs_input_grad[0] else None
         grad_w = g.t() @ h if ctx.needs_input_grad[1] else None
         return grad_h, grad_w
+
+
+def project_logits(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool = False,
+                   batch_invariant: bool = False) -> torch.Tensor:
+    """The vocabulary projection both services use, returned as float32: rounded to the weights'
+    dtype first unless `fp32`; through the batch-invariant matmul when `batch_invariant`."""
+    if batch_invariant:
+        return bi.linear(hidden, weight, out_dtype=torch.float32 if fp32 else None).float()
+    if fp32:
+        return fp32_logits(hidden, weight)
+    return (hidden @ weight.t()).float()
 
 
 def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

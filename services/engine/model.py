@@ -17,21 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from services.common import batch_invariant as bi
-from services.common.numerics import fp32_logits
+from services.common.numerics import project_logits
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def norm_eps(norm: torch.nn.Module) -> float:
-    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The HF RMSNorm module's math (fp32 normalise, cast, scale) through torch's fused rms_norm."""
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm_eps(norm)).to(x.dtype)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=bi.norm_eps(norm)).to(x.dtype)
 
 
 def fuse_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -84,8 +79,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, max_slots: int = 64, context_len: int | None = None,
                  initial_capacity: int = 256, cuda_graph: bool | None = None, graph_max_len: int = 2048) -> None:
         arch = type(model).__name__
-        if arch not in SUPPORTED:
-            raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(sorted(SUPPORTED))})")
+        if arch not in bi.DECODER_ARCHITECTURES:
+            raise ValueError(f"architecture {arch} is not supported "
+                             f"(supported: {', '.join(sorted(bi.DECODER_ARCHITECTURES))})")
         self.model = model
         cfg = model.config
         self.config = cfg
@@ -195,7 +191,7 @@ class ModelRunner:
         return bi.linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias)
 
     def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return bi.rms_norm(x, norm.weight, norm_eps(norm)) if self.batch_invariant else rms_norm(norm, x)
+        return bi.norm_module(norm, x) if self.batch_invariant else rms_norm(norm, x)
 
     def _qkv(self, li: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Fused q/k/v projection and rotary embedding; returns q [b,H,t,D], k and v [b,KV,t,D]."""
@@ -230,19 +226,28 @@ class ModelRunner:
                                              enable_gqa=self.n_kv != self.n_heads)
         return out.transpose(1, 2).reshape(b, t, -1)
 
+    def _decode_index(self, rows: torch.Tensor, posl: torch.Tensor, length: int) -> Any:
+        """What every layer's decode attention needs, made once per step: int32 positions and cache
+        rows for the batch-invariant kernel, else the [b, 1, 1, length] mask of visible positions."""
+        if self.batch_invariant:
+            return posl.to(torch.int32), rows.to(torch.int32)
+        return (torch.arange(length, device=self.device)[None, :] <= posl[:, None])[:, None, None, :]
+
     def _decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor | None,
-                          put: torch.Tensor, posl: torch.Tensor, length: int) -> torch.Tensor:
-        """One query per row, at posl[i] over positions [0, length) of cache row rows[i] (or row i);
-        returns [b, 1, heads * head_dim]. Stock: each kv head's query group folds into the query axis."""
+                          index: Any, length: int) -> torch.Tensor:
+        """One query per row over positions [0, length) of cache row rows[i] (or row i), as `index`
+        (from _decode_index) says; returns [b, 1, heads * head_dim]. Stock: each kv head's query
+        group folds into the query axis."""
         b = q.shape[0]
         if self.batch_invariant:
-            return bi.attention(q, kc, vc, self.scaling, positions=posl, kv_rows=put, kv_len=length).reshape(b, 1, -1)
+            positions, kv_rows = index
+            return bi.attention(q, kc, vc, self.scaling, positions=positions, kv_rows=kv_rows,
+                                kv_len=length).reshape(b, 1, -1)
         keys, values = (kc[:, :, :length], vc[:, :, :length]) if rows is None else \
             (kc[rows, :, :length], vc[rows, :, :length])
-        mask = (torch.arange(length, device=self.device)[None, :] <= posl[:, None])[:, None, None, :]
         groups = self.n_heads // self.n_kv
         out = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, groups, self.head_dim), keys, values,
-                                             attn_mask=mask, scale=self.scaling)
+                                             attn_mask=index, scale=self.scaling)
         return out.reshape(b, 1, -1)
 
     @torch.inference_mode()
@@ -306,6 +311,7 @@ class ModelRunner:
         """Row i's token sits at posl[i] of cache row rows[i] (row i itself when rows is None: the caches
         are then views of exactly the batch's slots, read without a gather); returns fp32 logits."""
         put = rows if rows is not None else torch.arange(tok.shape[0], device=self.device)
+        index = self._decode_index(put, posl, length)
         x = self.embed(tok)[:, None, :]
         cos, sin = self.rotary(x, posl[:, None])
         for li, layer in enumerate(self.layers):
@@ -313,7 +319,7 @@ class ModelRunner:
             kc, vc = k_cache[li], v_cache[li]
             kc[put, :, posl] = k[:, :, 0]
             vc[put, :, posl] = v[:, :, 0]
-            x = self._finish_layer(li, layer, x, self._decode_attention(q, kc, vc, rows, put, posl, length))
+            x = self._finish_layer(li, layer, x, self._decode_attention(q, kc, vc, rows, index, length))
         return self.logits(self._norm(self.norm, x)[:, 0])
 
     # --enable-fp32-lm-head: logits leave the projection in fp32 (see services.common.numerics).
@@ -321,12 +327,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight
-        if self.batch_invariant:
-            return bi.linear(hidden, weight, out_dtype=torch.float32 if self.fp32_lm_head else None).float()
-        if self.fp32_lm_head:
-            return fp32_logits(hidden, weight)
-        return self.lm_head(hidden).float()
+        return project_logits(hidden, self.lm_head.weight, fp32=self.fp32_lm_head, batch_invariant=self.batch_invariant)
 
     @torch.inference_mode()
     def input_logprobs(self, hidden: torch.Tensor, prompt: list[int], start: int,

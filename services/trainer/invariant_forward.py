@@ -19,18 +19,11 @@ from torch.utils.checkpoint import checkpoint
 
 from services.common import batch_invariant as bi
 
-SUPPORTED = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
-
-
 def check_supported(lm: nn.Module) -> None:
     arch = type(lm).__name__
-    if arch not in SUPPORTED:
-        raise ValueError(f"--batch-invariant supports {', '.join(sorted(SUPPORTED))}, not {arch}")
+    if arch not in bi.DECODER_ARCHITECTURES:
+        raise ValueError(f"--batch-invariant supports {', '.join(sorted(bi.DECODER_ARCHITECTURES))}, not {arch}")
     bi.check_head_dim(lm.model.layers[0].self_attn.head_dim)
-
-
-def _eps(norm: nn.Module) -> float:
-    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
 
 
 def _project(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
@@ -41,17 +34,17 @@ def _layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     attn, mlp = layer.self_attn, layer.mlp
     b, t, _ = x.shape
     d = attn.head_dim
-    h = bi.rms_norm(x, layer.input_layernorm.weight, _eps(layer.input_layernorm))
+    h = bi.norm_module(layer.input_layernorm, x)
     q = _project(h, attn.q_proj).view(b, t, -1, d)
     k = _project(h, attn.k_proj).view(b, t, -1, d)
     v = _project(h, attn.v_proj).view(b, t, -1, d).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3: per-head norm of q and k before the rotation
-        q = bi.rms_norm(q, attn.q_norm.weight, _eps(attn.q_norm))
-        k = bi.rms_norm(k, attn.k_norm.weight, _eps(attn.k_norm))
+        q = bi.norm_module(attn.q_norm, q)
+        k = bi.norm_module(attn.k_norm, k)
     q = bi.apply_rotary(q.transpose(1, 2), cos, sin)
     k = bi.apply_rotary(k.transpose(1, 2), cos, sin)
     x = x + _project(bi.attention(q, k, v, attn.scaling).reshape(b, t, -1), attn.o_proj)
-    h = bi.rms_norm(x, layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
+    h = bi.norm_module(layer.post_attention_layernorm, x)
     return x + _project(mlp.act_fn(_project(h, mlp.gate_proj)) * _project(h, mlp.up_proj), mlp.down_proj)
 
 
@@ -68,4 +61,4 @@ def decoder_hidden(lm: nn.Module, input_ids: torch.Tensor, checkpoint_layers: bo
             x = checkpoint(_layer, layer, x, cos, sin, use_reentrant=False)
         else:
             x = _layer(layer, x, cos, sin)
-    return bi.rms_norm(x, inner.norm.weight, _eps(inner.norm))
+    return bi.norm_module(inner.norm, x)

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from services.common import batch_invariant as bi
-from services.common.numerics import fp32_logits
+from services.common.numerics import project_logits
 from services.trainer import invariant_forward
 
 
@@ -54,11 +53,8 @@ def pack_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
 
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, temperature: float,
                     fp32_head: bool = False, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    if invariant:
-        logits = bi.linear(hidden, weight, out_dtype=torch.float32 if fp32_head else None).float()
-    else:
-        logits = fp32_logits(hidden, weight) if fp32_head else (hidden @ weight.t()).float()
-    logits = logits / temperature  # divided, as the engine does: the same rounding as its sampling logits
+    # divided, as the engine does: the same rounding as its sampling logits
+    logits = project_logits(hidden, weight, fp32=fp32_head, batch_invariant=invariant) / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():

@@ -80,7 +80,7 @@ class ParamArena:
         if key not in self._buckets:
             out = []
             for idx in plan:
-                part = [(self.named[i][0], self.named[i][1].detach()) for i in idx]
+                part = [self._detached[i] for i in idx]
                 meta = weight_wire.bucket_metadata(part, layout)
                 first = part[0][1]
                 flat = self.flats[first.dtype]
